@@ -1,0 +1,211 @@
+"""Unit tests for the A:F rank layout (vllm_afd.topology); no vLLM needed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vllm_afd.config import AFDRole
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.topology import Topology, endpoint_rank
+
+VALID = [(a, f) for a in range(1, 33) for f in range(1, a + 1) if a % f == 0]
+INVALID = [(a, f) for a in range(1, 17) for f in range(1, 17) if a < f or a % f != 0]
+
+
+# -- table tests ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "f", "ratio", "world", "name"),
+    [
+        (1, 1, 1, 2, "1A1F"),
+        (2, 1, 2, 3, "2A1F"),
+        (4, 2, 2, 6, "4A2F"),
+        (6, 3, 2, 9, "6A3F"),
+        (64, 16, 4, 80, "64A16F"),
+    ],
+)
+def test_topology_properties_match_table(
+    a: int, f: int, ratio: int, world: int, name: str
+) -> None:
+    topo = Topology(a, f)
+    assert topo.ratio == ratio
+    assert topo.world_size == world
+    assert topo.name == name
+    assert topo.num_ranks(AFDRole.ATTENTION) == a
+    assert topo.num_ranks(AFDRole.FFN) == f
+
+
+def test_topology_4a2f_layout_matches_table() -> None:
+    topo = Topology(4, 2)
+    assert [topo.role_of(g) for g in range(6)] == [
+        (AFDRole.FFN, 0),
+        (AFDRole.FFN, 1),
+        (AFDRole.ATTENTION, 0),
+        (AFDRole.ATTENTION, 1),
+        (AFDRole.ATTENTION, 2),
+        (AFDRole.ATTENTION, 3),
+    ]
+    assert topo.attention_peers(0) == range(0, 2)
+    assert topo.attention_peers(1) == range(2, 4)
+    assert [topo.ffn_peer(a) for a in range(4)] == [0, 0, 1, 1]
+    assert topo.peers(AFDRole.FFN, 1) == (2, 3)
+    assert topo.peers(AFDRole.ATTENTION, 3) == (1,)
+
+
+@pytest.mark.parametrize(("a", "f"), [(0, 1), (1, 0), (-1, 1), (0, 0)])
+def test_topology_rejects_non_positive_rank_counts(a: int, f: int) -> None:
+    with pytest.raises(AFDConfigError, match="at least one rank per role"):
+        Topology(a, f)
+
+
+@pytest.mark.parametrize(("a", "f"), INVALID)
+def test_topology_rejects_a_smaller_than_f_or_not_divisible(a: int, f: int) -> None:
+    with pytest.raises(AFDConfigError, match="must be a multiple of") as info:
+        Topology(a, f)
+    assert isinstance(info.value, ValueError)
+    assert f"num_attention_ranks={a}" in str(info.value)
+    assert f"num_ffn_ranks={f}" in str(info.value)
+
+
+def test_topology_is_frozen() -> None:
+    topo = Topology(2, 1)
+    with pytest.raises(AttributeError):
+        topo.num_attention_ranks = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("role", "rank"),
+    [
+        (AFDRole.FFN, -1),
+        (AFDRole.FFN, 2),
+        (AFDRole.ATTENTION, -1),
+        (AFDRole.ATTENTION, 4),
+    ],
+)
+def test_topology_global_rank_rejects_out_of_range_role_rank(
+    role: AFDRole, rank: int
+) -> None:
+    with pytest.raises(ValueError, match=f"{role.value} rank {rank} outside"):
+        Topology(4, 2).global_rank(role, rank)
+
+
+@pytest.mark.parametrize("global_rank", [-1, 6, 100])
+def test_topology_role_of_rejects_out_of_range_connector_rank(
+    global_rank: int,
+) -> None:
+    with pytest.raises(ValueError, match=f"connector rank {global_rank} outside"):
+        Topology(4, 2).role_of(global_rank)
+
+
+def test_topology_peer_lookups_reject_out_of_range_ranks() -> None:
+    topo = Topology(4, 2)
+    with pytest.raises(ValueError, match="ffn rank 2 outside"):
+        topo.attention_peers(2)
+    with pytest.raises(ValueError, match="attention rank 4 outside"):
+        topo.ffn_peer(4)
+
+
+# -- property-style sweep ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("a", "f"), VALID)
+def test_topology_invariants_hold_for_every_valid_ratio(a: int, f: int) -> None:
+    topo = Topology(a, f)
+    r = a // f
+
+    # FFN ranks come first in connector order.
+    assert [topo.global_rank(AFDRole.FFN, k) for k in range(f)] == list(range(f))
+    assert [topo.global_rank(AFDRole.ATTENTION, i) for i in range(a)] == list(
+        range(f, f + a)
+    )
+
+    # global_rank and role_of are inverse bijections over 0..A+F-1.
+    seen = set()
+    for role in AFDRole:
+        for rank in range(topo.num_ranks(role)):
+            g = topo.global_rank(role, rank)
+            assert topo.role_of(g) == (role, rank)
+            seen.add(g)
+    assert seen == set(range(topo.world_size))
+    for g in range(topo.world_size):
+        assert topo.global_rank(*topo.role_of(g)) == g
+
+    # attention_peers: contiguous ranges of length r that tile 0..A-1 in order.
+    covered: list[int] = []
+    for k in range(f):
+        peers = topo.attention_peers(k)
+        assert peers == range(k * r, (k + 1) * r)
+        assert len(peers) == r
+        covered.extend(peers)
+    assert covered == list(range(a))
+
+    # Every attention rank is served by exactly one FFN rank, consistently.
+    for i in range(a):
+        servers = [k for k in range(f) if i in topo.attention_peers(k)]
+        assert servers == [topo.ffn_peer(i)]
+        assert topo.peers(AFDRole.ATTENTION, i) == (topo.ffn_peer(i),)
+    for k in range(f):
+        assert topo.peers(AFDRole.FFN, k) == tuple(topo.attention_peers(k))
+
+
+# -- endpoint_rank ---------------------------------------------------------------
+
+ENDPOINT_CASES = [
+    (a, f, tp)
+    for (a, f), tp in itertools.product(
+        [(1, 1), (2, 1), (4, 2), (6, 3), (8, 2)], [1, 2, 4]
+    )
+]
+
+
+@pytest.mark.parametrize(("a", "f", "tp"), ENDPOINT_CASES)
+def test_endpoint_rank_is_dp_rank_on_tp0_and_none_elsewhere(
+    a: int, f: int, tp: int
+) -> None:
+    topo = Topology(a, f)
+    for role in AFDRole:
+        dp = topo.num_ranks(role)
+        endpoints = []
+        for dp_rank in range(dp):
+            for tp_rank in range(tp):
+                got = endpoint_rank(
+                    topo, role, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank
+                )
+                if tp_rank == 0:
+                    assert got == dp_rank
+                    endpoints.append(got)
+                else:
+                    assert got is None
+        # Exactly one endpoint per role rank: no TP group ships duplicates.
+        assert endpoints == list(range(dp))
+
+
+@pytest.mark.parametrize(
+    ("a", "f", "role", "dp_size", "key", "expected"),
+    [
+        (2, 1, AFDRole.ATTENTION, 1, "num_attention_ranks", 2),
+        (4, 2, AFDRole.ATTENTION, 8, "num_attention_ranks", 4),
+        (2, 1, AFDRole.FFN, 2, "num_ffn_ranks", 1),
+        (4, 2, AFDRole.FFN, 1, "num_ffn_ranks", 2),
+    ],
+)
+def test_endpoint_rank_rejects_dp_size_mismatch_naming_key_and_flag(
+    a: int, f: int, role: AFDRole, dp_size: int, key: str, expected: int
+) -> None:
+    with pytest.raises(AFDConfigError) as info:
+        endpoint_rank(Topology(a, f), role, dp_rank=0, dp_size=dp_size, tp_rank=0)
+    message = str(info.value)
+    assert f"afd.{key}={expected}" in message
+    assert f"data_parallel_size={dp_size}" in message
+    assert f"--data-parallel-size {expected}" in message
+
+
+@pytest.mark.parametrize("dp_rank", [-1, 2])
+def test_endpoint_rank_rejects_dp_rank_outside_dp_size(dp_rank: int) -> None:
+    with pytest.raises(ValueError, match=f"dp_rank {dp_rank} outside 0..1"):
+        endpoint_rank(
+            Topology(2, 1), AFDRole.ATTENTION, dp_rank=dp_rank, dp_size=2, tp_rank=0
+        )

@@ -1,0 +1,155 @@
+"""The engine-config hook: AFD settings applied when vLLM builds its config.
+
+Wraps ``vllm/engine/arg_utils.py:EngineArgs.create_engine_config`` @ 0.32.0,
+which every ``vllm serve`` (and ``LLM(...)``) calls in the front-end process
+before any engine or worker process starts. For a run without the ``afd`` key
+the wrapper calls the original and returns; with it, the wrapper
+
+1. parses ``additional_config["afd"]`` (phase 1; config errors surface here),
+2. records whether ``worker_cls`` was ``"auto"``,
+3. maps the DeepSeek architectures to the role-split AFD model classes
+   through vLLM's ``model_class_overrides`` (merged with the user's),
+4. calls the original, then selects the AFD worker and checks the result
+   against the ``VllmConfig`` (phase 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm_afd import envs
+from vllm_afd.compat.patching import Patch, apply_patch
+from vllm_afd.compat.workers import (
+    CPU_DEFAULT_WORKER,
+    CUDA_DEFAULT_WORKER,
+    check_runner_generation,
+    select_worker,
+)
+from vllm_afd.config import AFDConfig, afd_config_from_additional
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.topology import Topology, endpoint_rank
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+CREATE_ENGINE_CONFIG = Patch(
+    target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
+    expected_params=("self", "usage_context", "headless"),
+    reason="parse and validate additional_config['afd'] and select the AFD "
+    "worker before any worker process starts",
+    removal="when vLLM offers a config-validation / worker-selection hook",
+)
+
+#: native architecture -> role-split AFD model class
+AFD_MODEL_CLASSES: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "vllm_afd.models.deepseek:AFDDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "vllm_afd.models.deepseek:AFDDeepseekV3ForCausalLM",
+}
+
+
+def platform_default_worker() -> str:
+    """The worker vLLM's current platform picks for ``worker_cls="auto"``."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return CPU_DEFAULT_WORKER
+    if current_platform.is_cuda():
+        return CUDA_DEFAULT_WORKER
+    return f"<no AFD worker for platform {current_platform.device_type!r}>"
+
+
+def install() -> None:
+    """Wrap ``EngineArgs.create_engine_config`` (idempotent)."""
+    apply_patch(CREATE_ENGINE_CONFIG, _wrap_create_engine_config)
+
+
+def _wrap_create_engine_config(original: Any) -> Any:
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> VllmConfig:
+        afd = afd_config_from_additional(self.additional_config)
+        if afd is None:
+            return original(self, *args, **kwargs)
+        from vllm_afd import raise_if_registration_failed
+
+        raise_if_registration_failed()
+        envs.mark_server_process()
+        _enable_worker_metrics()
+        worker_cls_was_auto = self.worker_cls == "auto"
+        self.model_class_overrides = {
+            **AFD_MODEL_CLASSES,
+            **(self.model_class_overrides or {}),
+        }
+        config = original(self, *args, **kwargs)
+        apply_afd_to_vllm_config(config, afd, worker_cls_was_auto=worker_cls_was_auto)
+        return config
+
+    return create_engine_config
+
+
+def _enable_worker_metrics() -> None:
+    """Let counters written by worker processes reach this server's /metrics.
+
+    Prometheus multiprocess mode, set before the engine starts, as vLLM does
+    itself when it runs several API servers.
+    """
+    from prometheus_client import values
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        setup_multiprocess_prometheus()
+    values.ValueClass = values.get_value_class()
+
+
+def apply_afd_to_vllm_config(
+    config: VllmConfig, afd: AFDConfig, *, worker_cls_was_auto: bool
+) -> None:
+    """Phase 2: select the worker and check ``afd`` against ``config``.
+
+    Raises:
+        AFDCompatError: worker selection or runner generation is wrong.
+        AFDConfigError: the AFD settings contradict the vLLM settings.
+    """
+    platform_default = platform_default_worker()
+    parallel = config.parallel_config
+    parallel.worker_cls = select_worker(
+        afd.role,
+        parallel.worker_cls,
+        was_auto=worker_cls_was_auto,
+        platform_default=platform_default,
+    )
+    check_runner_generation(platform_default, config.use_v2_model_runner)
+    validate_against_vllm(config, afd)
+    # Normalised copy for the workers: they re-parse it, so keep it plain.
+    config.additional_config["afd"] = afd.to_dict()
+
+
+def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
+    """Check the AFD settings against the built ``VllmConfig``.
+
+    Raises:
+        AFDConfigError: naming the AFD key and the vLLM setting that clash.
+    """
+    arch = config.model_config.architectures[0]
+    if arch not in AFD_MODEL_CLASSES:
+        raise AFDConfigError(
+            f"AFD does not support architecture {arch!r}; supported: "
+            f"{', '.join(sorted(AFD_MODEL_CLASSES))}"
+        )
+    parallel = config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise AFDConfigError(
+            f"AFD needs --pipeline-parallel-size 1, got "
+            f"{parallel.pipeline_parallel_size}"
+        )
+    topology = Topology(afd.num_attention_ranks, afd.num_ffn_ranks)
+    endpoint_rank(
+        topology,
+        afd.role,
+        dp_rank=parallel.data_parallel_rank,
+        dp_size=parallel.data_parallel_size,
+        tp_rank=0,
+    )
+    if config.speculative_config is not None:
+        raise AFDConfigError("AFD does not support speculative decoding yet")

@@ -1,0 +1,219 @@
+"""The AFD configuration: ``--additional-config '{"afd": {...}}'``.
+
+Phase 1, :func:`parse_afd_config`, turns the raw mapping into a frozen
+:class:`AFDConfig` and rejects anything malformed. Phase 2,
+:func:`vllm_afd.compat.engine_config.validate_against_vllm`, checks it against
+the ``VllmConfig`` when vLLM builds its config (``vllm serve`` start-up), before
+any worker process starts.
+
+Every key is documented in ``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from vllm_afd.errors import AFDConfigError
+
+AFD_KEY = "afd"
+DEFAULT_PORT = 29650
+
+
+class AFDRole(str, enum.Enum):
+    """Which half of the model a process serves."""
+
+    ATTENTION = "attention"
+    FFN = "ffn"
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """A parsed, validated ``additional_config["afd"]``.
+
+    Attributes:
+        role: ``attention`` (serves requests) or ``ffn`` (driven by the connector).
+        connector: canonical connector name (aliases are resolved).
+        host: address of FFN rank 0, where the connector rendezvous listens.
+        port: rendezvous port; the connector may also use ``port + 1``.
+        num_attention_ranks: attention endpoints in the deployment (A).
+        num_ffn_ranks: FFN endpoints in the deployment (F); ``A % F == 0``.
+        compute_gate_on_attention: run router + top-k on attention and ship
+            routing with the hidden states; dense MLP layers stay on attention.
+        connector_extra_config: connector-specific options, validated by the
+            connector's own schema.
+    """
+
+    role: AFDRole
+    connector: str = "p2p"
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    compute_gate_on_attention: bool = False
+    connector_extra_config: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role is AFDRole.ATTENTION
+
+    @property
+    def is_ffn(self) -> bool:
+        return self.role is AFDRole.FFN
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON-able values (for ``--additional-config``)."""
+        return {
+            "role": self.role.value,
+            "connector": self.connector,
+            "host": self.host,
+            "port": self.port,
+            "num_attention_ranks": self.num_attention_ranks,
+            "num_ffn_ranks": self.num_ffn_ranks,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+            "connector_extra_config": dict(self.connector_extra_config),
+        }
+
+
+_KEYS: dict[str, type] = {
+    "role": str,
+    "connector": str,
+    "host": str,
+    "port": int,
+    "num_attention_ranks": int,
+    "num_ffn_ranks": int,
+    "compute_gate_on_attention": bool,
+    "connector_extra_config": dict,
+}
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _check_type(key: str, value: Any, expected: type) -> None:
+    # bool is a subclass of int: reject it explicitly where an int is wanted.
+    ok = isinstance(value, expected) and not (
+        expected is int and isinstance(value, bool)
+    )
+    if expected is dict:
+        ok = isinstance(value, Mapping)
+    if not ok:
+        want = {int: "an integer", bool: "true or false", str: "a string"}.get(
+            expected, "a JSON object"
+        )
+        raise AFDConfigError(
+            f"afd.{key}={value!r} has type {_type_name(value)}; it must be {want}"
+        )
+
+
+def _unknown_key_error(key: str) -> AFDConfigError:
+    close = difflib.get_close_matches(key, list(_KEYS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return AFDConfigError(
+        f"unknown key afd.{key}{hint} Valid keys: {', '.join(sorted(_KEYS))}"
+    )
+
+
+def parse_afd_config(raw: Any) -> AFDConfig:
+    """Parse ``additional_config["afd"]`` into a frozen :class:`AFDConfig`.
+
+    Args:
+        raw: the value found under the ``afd`` key.
+
+    Returns:
+        The validated config, with the connector name made canonical.
+
+    Raises:
+        AFDConfigError: not a mapping, unknown key, wrong type, or a value out
+            of range; the message names the key, the value and the fix.
+    """
+    if isinstance(raw, AFDConfig):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise AFDConfigError(
+            f'additional_config["afd"] must be a JSON object, got '
+            f"{_type_name(raw)} {raw!r}"
+        )
+    for key in raw:
+        if key not in _KEYS:
+            raise _unknown_key_error(str(key))
+    for key, value in raw.items():
+        _check_type(key, value, _KEYS[key])
+    if "role" not in raw:
+        raise AFDConfigError(
+            'afd.role is required: set "role": "attention" or "role": "ffn"'
+        )
+
+    role_value = raw["role"]
+    try:
+        role = AFDRole(role_value)
+    except ValueError:
+        raise AFDConfigError(
+            f"afd.role={role_value!r} is not a role; use 'attention' or 'ffn'"
+        ) from None
+
+    host = raw.get("host", AFDConfig.host)
+    if not host.strip():
+        raise AFDConfigError(
+            f"afd.host={host!r} is empty; give the address of FFN rank 0, "
+            "e.g. '127.0.0.1'"
+        )
+    port = raw.get("port", AFDConfig.port)
+    # The p2p connector also listens on port + 1 (its data-plane store).
+    if not 1 <= port <= 65534:
+        raise AFDConfigError(
+            f"afd.port={port} is outside 1..65534 (afd.port + 1 is used too)"
+        )
+
+    num_a = raw.get("num_attention_ranks", AFDConfig.num_attention_ranks)
+    num_f = raw.get("num_ffn_ranks", AFDConfig.num_ffn_ranks)
+    for key, value in (("num_attention_ranks", num_a), ("num_ffn_ranks", num_f)):
+        if value < 1:
+            raise AFDConfigError(f"afd.{key}={value} must be at least 1")
+    if num_a < num_f:
+        raise AFDConfigError(
+            f"afd.num_attention_ranks={num_a} must be >= "
+            f"afd.num_ffn_ranks={num_f}; each FFN rank serves at least one "
+            "attention rank"
+        )
+    if num_a % num_f:
+        raise AFDConfigError(
+            f"afd.num_attention_ranks={num_a} must be a multiple of "
+            f"afd.num_ffn_ranks={num_f}"
+        )
+
+    # The connector factory is the single source of connector names and of
+    # the keys each connector accepts. Imported here: it sits above config.
+    from vllm_afd.connector import factory
+
+    connector = factory.canonical_name(raw.get("connector", AFDConfig.connector))
+    extra = factory.validate_extra_config(
+        connector, raw.get("connector_extra_config", {})
+    )
+    return AFDConfig(
+        role=role,
+        connector=connector,
+        host=host,
+        port=port,
+        num_attention_ranks=num_a,
+        num_ffn_ranks=num_f,
+        compute_gate_on_attention=raw.get("compute_gate_on_attention", False),
+        connector_extra_config=MappingProxyType(dict(extra)),
+    )
+
+
+def afd_config_from_additional(additional_config: Any) -> AFDConfig | None:
+    """Return the AFD config in vLLM's ``additional_config``, or None if absent.
+
+    AFD is on exactly when the ``afd`` key is present.
+    """
+    if not isinstance(additional_config, Mapping) or AFD_KEY not in additional_config:
+        return None
+    return parse_afd_config(additional_config[AFD_KEY])

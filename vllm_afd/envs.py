@@ -1,0 +1,48 @@
+"""Environment variables read by vllm-afd: debug switches only.
+
+Configuration goes through ``additional_config["afd"]``; these variables
+change diagnostics, never behaviour a user relies on.
+
+``AFD_SERVER_PID``
+    Set by the plugin in the process that builds the vLLM config of an AFD
+    run (the API server); inherited by its engine and worker processes. The
+    FFN role signals it to stop the server when its attention peers shut down.
+``AFD_KEEP_FFN_ALIVE``
+    ``1`` keeps an FFN server running after its attention peers shut down
+    (default: it stops itself).
+``AFD_PROFILE_DIR``
+    Directory for per-role ``torch.profiler`` traces (see docs/benchmarks.md).
+``AFD_PROFILE_STEPS``
+    Steps to trace when ``AFD_PROFILE_DIR`` is set (default 20).
+"""
+
+from __future__ import annotations
+
+import os
+
+AFD_SERVER_PID = "AFD_SERVER_PID"
+AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
+AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
+AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
+
+
+def server_pid() -> int | None:
+    value = os.environ.get(AFD_SERVER_PID)
+    return int(value) if value and value.isdigit() else None
+
+
+def mark_server_process() -> None:
+    """Record this process as the server's root (inherited by its children)."""
+    os.environ[AFD_SERVER_PID] = str(os.getpid())
+
+
+def keep_ffn_alive() -> bool:
+    return os.environ.get(AFD_KEEP_FFN_ALIVE, "0") == "1"
+
+
+def profile_dir() -> str | None:
+    return os.environ.get(AFD_PROFILE_DIR) or None
+
+
+def profile_steps() -> int:
+    return int(os.environ.get(AFD_PROFILE_STEPS, "20"))

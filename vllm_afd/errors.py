@@ -1,0 +1,45 @@
+"""Error taxonomy for vllm-afd.
+
+Every error the plugin raises on purpose is an :class:`AFDError`. Messages name
+the field or peer, the value, and the fix::
+
+    AFDError
+    ├── AFDConfigError (also ValueError)   bad additional_config["afd"]
+    ├── AFDCompatError                      vLLM version / worker / runner mismatch
+    └── AFDConnectorError                   transport failures
+        ├── AFDProtocolError                handshake or message mismatch
+        ├── AFDTimeoutError                 a blocking wait ran out (also TimeoutError)
+        └── AFDPeerError                    the peer closed, died or shut down
+
+This module imports nothing from vLLM or torch.
+"""
+
+from __future__ import annotations
+
+
+class AFDError(RuntimeError):
+    """Base class of every error raised by vllm-afd on purpose."""
+
+
+class AFDConfigError(AFDError, ValueError):
+    """``additional_config["afd"]`` is invalid or contradicts the vLLM config."""
+
+
+class AFDCompatError(AFDError):
+    """The installed vLLM, the chosen worker or model runner cannot run AFD."""
+
+
+class AFDConnectorError(AFDError):
+    """A connector operation failed."""
+
+
+class AFDProtocolError(AFDConnectorError):
+    """The peers disagree: protocol version, fingerprint, or message identity."""
+
+
+class AFDTimeoutError(AFDConnectorError, TimeoutError):
+    """A blocking connector wait exceeded its timeout."""
+
+
+class AFDPeerError(AFDConnectorError):
+    """The peer closed the connection, died, or sent SHUTDOWN."""

@@ -1,0 +1,137 @@
+"""Who talks to whom: the A:F rank layout, shared by both roles.
+
+Connector rank order puts FFN ranks first::
+
+    connector rank:   0 .. F-1          F .. F+A-1
+    role rank:        ffn 0 .. F-1      attention 0 .. A-1
+
+    r = A / F
+    ffn k  <-->  attention [k*r, (k+1)*r)
+
+An *endpoint* is one connector member. Within a role deployment, every vLLM
+data-parallel rank is one endpoint; only tensor-parallel rank 0 of it joins
+the connector (the other TP ranks receive what it receives through vLLM's TP
+group), so a TP group never ships duplicate activations.
+
+Pure functions only; no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_afd.config import AFDRole
+from vllm_afd.errors import AFDConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The A:F layout of one deployment."""
+
+    num_attention_ranks: int
+    num_ffn_ranks: int
+
+    def __post_init__(self) -> None:
+        a, f = self.num_attention_ranks, self.num_ffn_ranks
+        if a < 1 or f < 1:
+            raise AFDConfigError(
+                f"topology needs at least one rank per role, got {a}A{f}F"
+            )
+        if a < f or a % f:
+            raise AFDConfigError(
+                f"afd.num_attention_ranks={a} must be a multiple of "
+                f"afd.num_ffn_ranks={f} (and at least as large)"
+            )
+
+    @property
+    def ratio(self) -> int:
+        """Attention ranks served by each FFN rank (``r = A / F``)."""
+        return self.num_attention_ranks // self.num_ffn_ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention_ranks + self.num_ffn_ranks
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_attention_ranks}A{self.num_ffn_ranks}F"
+
+    def num_ranks(self, role: AFDRole) -> int:
+        if role is AFDRole.ATTENTION:
+            return self.num_attention_ranks
+        return self.num_ffn_ranks
+
+    def global_rank(self, role: AFDRole, role_rank: int) -> int:
+        """Connector rank of ``role_rank`` in ``role`` (FFN ranks first)."""
+        self._check_role_rank(role, role_rank)
+        if role is AFDRole.FFN:
+            return role_rank
+        return self.num_ffn_ranks + role_rank
+
+    def role_of(self, global_rank: int) -> tuple[AFDRole, int]:
+        """Inverse of :meth:`global_rank`."""
+        if not 0 <= global_rank < self.world_size:
+            raise ValueError(
+                f"connector rank {global_rank} outside 0..{self.world_size - 1}"
+            )
+        if global_rank < self.num_ffn_ranks:
+            return AFDRole.FFN, global_rank
+        return AFDRole.ATTENTION, global_rank - self.num_ffn_ranks
+
+    def attention_peers(self, ffn_rank: int) -> range:
+        """Attention role ranks served by ``ffn_rank``, in merge order."""
+        self._check_role_rank(AFDRole.FFN, ffn_rank)
+        r = self.ratio
+        return range(ffn_rank * r, (ffn_rank + 1) * r)
+
+    def ffn_peer(self, attention_rank: int) -> int:
+        """The FFN role rank that serves ``attention_rank``."""
+        self._check_role_rank(AFDRole.ATTENTION, attention_rank)
+        return attention_rank // self.ratio
+
+    def peers(self, role: AFDRole, role_rank: int) -> tuple[int, ...]:
+        """Role ranks of the other role this endpoint exchanges with."""
+        if role is AFDRole.FFN:
+            return tuple(self.attention_peers(role_rank))
+        return (self.ffn_peer(role_rank),)
+
+    def _check_role_rank(self, role: AFDRole, role_rank: int) -> None:
+        n = self.num_ranks(role)
+        if not 0 <= role_rank < n:
+            raise ValueError(f"{role.value} rank {role_rank} outside 0..{n - 1}")
+
+
+def endpoint_rank(
+    topology: Topology,
+    role: AFDRole,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    tp_rank: int,
+) -> int | None:
+    """Role rank of a vLLM worker process, or None if it does not join.
+
+    Args:
+        topology: the deployment layout.
+        role: this process's role.
+        dp_rank: vLLM data-parallel rank of the process.
+        dp_size: vLLM data-parallel size of this role's deployment.
+        tp_rank: vLLM tensor-parallel rank within its DP rank.
+
+    Returns:
+        ``dp_rank`` for TP rank 0 (the endpoint), None for other TP ranks.
+
+    Raises:
+        AFDConfigError: the role's DP size differs from its rank count.
+    """
+    expected = topology.num_ranks(role)
+    if dp_size != expected:
+        key = "num_attention_ranks" if role is AFDRole.ATTENTION else "num_ffn_ranks"
+        raise AFDConfigError(
+            f"afd.{key}={expected} but the {role.value} role runs "
+            f"data_parallel_size={dp_size}; each data-parallel rank is one "
+            f"{role.value} rank, so set --data-parallel-size {expected}"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
+    return dp_rank if tp_rank == 0 else None
