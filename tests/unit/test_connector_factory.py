@@ -1,0 +1,92 @@
+"""Unit tests of the connector factory: names, aliases, options."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_afd.config import parse_afd_config
+from vllm_afd.connector import (
+    Fingerprint,
+    canonical_name,
+    create_connector,
+    registered_names,
+    validate_extra_config,
+)
+from vllm_afd.errors import AFDConfigError
+
+
+def _fp(**kw) -> Fingerprint:
+    base = dict(
+        arch="X", hidden_size=8, dtype="float32", num_layers=2, moe_layers=(1,),
+        num_experts=4, top_k=2, num_attention_ranks=2, num_ffn_ranks=1,
+        compute_gate_on_attention=False, connector="p2p",
+    )  # fmt: skip
+    return Fingerprint(**{**base, **kw})
+
+
+def test_registered_names_and_aliases():
+    assert registered_names() == ("loopback", "p2p")
+    assert canonical_name("P2pNcclAFDConnector") == "p2p"
+    assert canonical_name("loopback") == "loopback"
+
+
+def test_unknown_connector_lists_registered_names():
+    with pytest.raises(AFDConfigError) as e:
+        canonical_name("foo")
+    assert str(e.value).startswith(
+        "afd.connector='foo' is not a registered connector; registered: loopback, p2p"
+    )
+    with pytest.raises(AFDConfigError, match="not a registered connector"):
+        parse_afd_config({"role": "ffn", "connector": "foo"})
+
+
+def test_extra_config_defaults_and_int_for_float():
+    assert validate_extra_config("p2p", {}) == {
+        "timeout_s": 60.0,
+        "connect_timeout_s": 600.0,
+        "backend": "auto",
+    }
+    out = validate_extra_config("P2pNcclAFDConnector", {"timeout_s": 5})
+    assert out["timeout_s"] == 5.0 and isinstance(out["timeout_s"], float)
+    assert "backend" not in validate_extra_config("loopback", {})
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"timeout": 1}, r"connector_extra_config.timeout is not an option of "
+         r"connector 'p2p'; valid keys: backend, connect_timeout_s, timeout_s"),
+        ({"timeout_s": "5"}, r"timeout_s='5' has type str; it must be a number"),
+        ({"timeout_s": True}, r"has type bool"),
+        ({"timeout_s": 0}, r"must be > 0 seconds"),
+        ({"backend": "mpi"}, r"backend='mpi' is not one of auto, gloo, nccl"),
+    ],
+)  # fmt: skip
+def test_extra_config_errors_name_key_and_fix(extra, match):
+    with pytest.raises(AFDConfigError, match=match):
+        validate_extra_config("p2p", extra)
+
+
+def test_parse_afd_config_resolves_alias_and_fills_options():
+    cfg = parse_afd_config(
+        {"role": "ffn", "connector": "P2pNcclAFDConnector", "num_attention_ranks": 2}
+    )
+    assert cfg.connector == "p2p"
+    assert cfg.connector_extra_config["connect_timeout_s"] == 600.0
+
+
+def test_create_connector_checks_rank_fingerprint_and_backend():
+    cfg = parse_afd_config({"role": "attention", "num_attention_ranks": 2})
+    conn = create_connector(cfg, 1, _fp())
+    assert (conn.role.value, conn.role_rank, conn.topology.name) == (
+        "attention", 1, "2A1F",
+    )  # fmt: skip
+    with pytest.raises(AFDConfigError, match="attention rank 2 outside 0..1"):
+        create_connector(cfg, 2, _fp())
+    with pytest.raises(AFDConfigError, match="num_ffn_ranks: fingerprint=2 afd=1"):
+        create_connector(cfg, 0, _fp(num_ffn_ranks=2, num_attention_ranks=2))
+    nccl = parse_afd_config(
+        {"role": "ffn", "connector_extra_config": {"backend": "nccl"}}
+    )
+    with pytest.raises(AFDConfigError, match="backend='nccl' moves cuda tensors"):
+        create_connector(nccl, 0, _fp(num_attention_ranks=1))

@@ -1,0 +1,229 @@
+"""Benchmark: connector A2F+F2A round trip vs raw torch.distributed send/recv.
+
+Two processes (attention rank 0, ffn rank 0, ``p2p`` connector, 1A1F). For
+every (tokens, hidden) the attention side times ``send_a2f`` + ``recv_f2a``
+while the FFN echoes the batch back; in the same run and the same processes it
+times a raw ``send`` + ``recv`` of the same tensors on a separate process group
+of the same backend. Raw and connector alternate every iteration (so both see
+the same machine state); medians are reported. Each role is pinned to its own
+CPU core unless ``--no-pin``.
+
+    python tools/bench_connector.py                       # CPU, Gloo
+    python tools/bench_connector.py --device cuda         # NCCL (+ CUDA graph)
+    python tools/bench_connector.py --json out.json --iters 200
+
+Dimensions: T tokens, H hidden size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_afd.config import parse_afd_config
+from vllm_afd.connector import (
+    ExecMode,
+    Fingerprint,
+    StepPlan,
+    create_connector,
+)
+
+LAYERS = 64
+
+
+def _free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for off in (1, 2):
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", port + off))
+        except OSError:
+            continue
+        return port
+
+
+def _schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [(t, h) for h in args.hidden for t in args.tokens]
+
+
+def _connector(args, role: str, hidden: int, port: int, device: torch.device):
+    cfg = parse_afd_config(
+        {"role": role, "host": "127.0.0.1", "port": port, "connector": "p2p"}
+    )
+    fp = Fingerprint(
+        arch="bench", hidden_size=hidden, dtype=args.dtype, num_layers=LAYERS,
+        moe_layers=tuple(range(LAYERS)), num_experts=1, top_k=1,
+        num_attention_ranks=1, num_ffn_ranks=1, compute_gate_on_attention=False,
+        connector="p2p",
+    )  # fmt: skip
+    return create_connector(cfg, 0, fp, device)
+
+
+def _raw_group(args, rank: int, port: int) -> dist.ProcessGroup:
+    td = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port + 2, None, rank == 0, td)
+    prefix = dist.PrefixStore("raw/", store)
+    if args.device == "cuda":
+        return dist.ProcessGroupNCCL(prefix, rank, 2, dist.ProcessGroupNCCL.Options())
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = td
+    return dist.ProcessGroupGloo(prefix, rank, 2, opts)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pin(args, cpu: int) -> None:
+    # On small machines, the scheduler can park both processes' threads on one
+    # core and add ~4 ms per wake-up at random; one core per role is stable.
+    if args.pin and hasattr(os, "sched_setaffinity") and os.cpu_count() >= 2:
+        os.sched_setaffinity(0, {cpu})
+
+
+def _setup(args, role_cpu: int, gpu: int) -> tuple[torch.device, torch.dtype]:
+    _pin(args, role_cpu)
+    if args.device == "cuda":
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu), getattr(torch, args.dtype)
+    return torch.device("cpu"), getattr(torch, args.dtype)
+
+
+def _attention(args, port: int, q: Any) -> None:
+    device, dtype = _setup(args, 0, 0)
+    pg = _raw_group(args, 1, port)
+    rows = []
+    for hid in args.hidden:
+        conn = _connector(args, "attention", hid, port, device)
+        if os.environ.get("XNOPRE"): conn._data.prepost_recv = False
+        conn.start()
+        for step, tok in enumerate(t for t, h in _schedule(args) if h == hid):
+            x = torch.randn(tok, hid).to(device, dtype)
+            buf = torch.empty_like(x)
+            raw_t: list[float] = []
+            conn_t: list[float] = []
+            conn.send_plan(StepPlan(step, ExecMode.EAGER, (tok,)))
+            # Raw and connector alternate every iteration: both see the same
+            # machine state, so the ratio is not skewed by drift.
+            for i in range(args.warmup + args.iters):
+                _sync(device)
+                t0 = time.perf_counter()
+                w = pg.send([x], 0, i % 1024)
+                r = pg.recv([buf], 0, i % 1024)
+                w.wait()
+                r.wait()
+                _sync(device)
+                t1 = time.perf_counter()
+                h = conn.send_a2f(i % LAYERS, 0, x)
+                out = conn.recv_f2a(i % LAYERS, 0)
+                h.wait()
+                _sync(device)
+                t2 = time.perf_counter()
+                if i >= args.warmup:
+                    raw_t.append(t1 - t0)
+                    conn_t.append(t2 - t1)
+            assert torch.equal(out, x) and torch.equal(buf, x), "echo mismatch"
+            raw_us = statistics.median(raw_t) * 1e6
+            conn_us = statistics.median(conn_t) * 1e6
+            rows.append(
+                {"tokens": tok, "hidden": hid, "dtype": args.dtype,
+                 "device": args.device, "mode": "eager", "raw_us": raw_us,
+                 "connector_us": conn_us, "ratio": conn_us / raw_us}
+            )  # fmt: skip
+        conn.close()
+    q.put(rows)
+
+
+def _ffn(args, port: int) -> None:
+    device, dtype = _setup(args, 1, 1)
+    pg = _raw_group(args, 0, port)
+    for hid in args.hidden:
+        conn = _connector(args, "ffn", hid, port, device)
+        conn.start()
+        for tok in [t for t, h in _schedule(args) if h == hid]:
+            buf = torch.empty(tok, hid, device=device, dtype=dtype)
+            plan = conn.recv_plan()
+            assert plan is not None
+            for i in range(args.warmup + args.iters):
+                pg.recv([buf], 1, i % 1024).wait()
+                pg.send([buf], 1, i % 1024).wait()
+                batch = conn.recv_a2f(i % LAYERS, 0)
+                conn.send_f2a(i % LAYERS, 0, batch.hidden).wait()
+        assert conn.recv_plan() is None
+        conn.close()
+
+
+def _table(rows: list[dict]) -> str:
+    head = (
+        f"{'tokens':>7} {'hidden':>7} {'MiB':>7} {'raw us':>10} {'conn us':>10} "
+        f"{'ratio':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mib = r["tokens"] * r["hidden"] * torch.finfo(getattr(torch, r["dtype"])).bits
+        lines.append(
+            f"{r['tokens']:>7} {r['hidden']:>7} {mib / 8 / 2**20:>7.2f} "
+            f"{r['raw_us']:>10.1f} {r['connector_us']:>10.1f} {r['ratio']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    p.add_argument("--hidden", type=int, nargs="+", default=[2048, 7168])
+    p.add_argument("--iters", type=int, default=300, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument(
+        "--no-pin", dest="pin", action="store_false",
+        help="do not pin each role to its own CPU core",
+    )  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print("--device cuda needs 2 GPUs", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_ffn, args=(args, port)),
+        ctx.Process(target=_attention, args=(args, port, q)),
+    ]
+    for proc in procs:
+        proc.start()
+    rows = q.get(timeout=3600)
+    for proc in procs:
+        proc.join()
+    print(f"A2F+F2A round trip, {args.device}, {args.dtype}, median of "
+          f"{args.iters} iterations, raw and connector interleaved")  # fmt: skip
+    print(_table(rows))
+    ratios = [r["ratio"] for r in rows]
+    print(f"ratio connector/raw: median {statistics.median(ratios):.3f}, "
+          f"max {max(ratios):.3f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""The connector facade: the only API model and worker code calls.
+
+Dimensions: T tokens of one attention rank's ubatch, ΣT merged tokens of an
+FFN rank's ubatch, H hidden size, K top-k.
+
+::
+
+    attention rank                            ffn rank
+    --------------                            --------
+    start()                                   start()
+    send_plan(StepPlan) ------------------->  recv_plan() -> MergedPlan | None
+    per layer, per ubatch:
+      h = send_a2f(l, u, hidden, routing) -->  recv_a2f(l, u) -> A2FBatch
+      out = recv_f2a(l, u)  <---------------  send_f2a(l, u, out)
+    close()                                   close()
+
+Threading model: one worker thread per endpoint calls everything; ``close``
+may be called from any thread and wakes a blocked ``recv_plan``. A call made
+by the wrong role raises AFDConnectorError at once.
+
+Buffers are sized when the plan arrives and reused across layers and steps:
+``recv_f2a``/``A2FBatch`` tensors are valid until the next receive of the same
+ubatch_idx. Sent tensors must stay untouched until their handle is waited;
+handles not waited explicitly are waited at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_afd.connector.core import ATT, FFN, ConnectorCore
+from vllm_afd.connector.payloads import (
+    A2FBatch,
+    Pending,
+    RecvHandle,
+    Routing,
+    SendHandle,
+)
+from vllm_afd.connector.plan import MergedPlan, merge_plans
+from vllm_afd.connector.protocol import (
+    PROTOCOL_VERSION,
+    ExchangeKey,
+    Kind,
+    StepPlan,
+)
+from vllm_afd.errors import (
+    AFDConnectorError,
+    AFDError,
+)
+
+logger = logging.getLogger(__name__)
+_CLOSE_DRAIN_S = 1.0
+
+
+class AFDConnector(ConnectorCore):
+    """One endpoint of the A2F/F2A exchange, built by ``factory.create_connector``."""
+
+    def start(self) -> None:
+        """Rendezvous and handshake; blocks at most ``connect_timeout_s``.
+
+        Raises: AFDProtocolError (version/fingerprint mismatch, naming the
+        fields), AFDTimeoutError (peers never came), AFDConnectorError.
+        """
+        if self._started:
+            raise AFDConnectorError("start() was already called")
+        self._started = True
+        try:
+            self._data.prepare()
+            rendezvous = self._control.start(self.fingerprint)
+            self._data.start(rendezvous)
+        except BaseException:
+            self._errors += 1
+            self.close()
+            raise
+        self._live = self.role
+        logger.info(
+            "AFD connector up: role=%s rank=%d peers=%s connector=%s protocol=%d "
+            "topology=%s fingerprint=%s",
+            self.role.value, self.role_rank, list(self._peer_ranks), self.name,
+            PROTOCOL_VERSION, self.topology.name, self.fingerprint.digest,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Send SHUTDOWN, free sockets and the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._live = None
+        if self._failure is None:
+            for handle in self._pending_sends:
+                try:
+                    for work, *_ in handle._pending or ():
+                        work.wait(_CLOSE_DRAIN_S)
+                except AFDError:
+                    break  # the peer is gone; nothing left to flush
+        self._pending_sends.clear()
+        self._control.close(f"{self.role.value} rank {self.role_rank} closed")
+        self._data.close()
+
+    # ------------------------------------------------------------- attention
+    def send_plan(self, plan: StepPlan) -> None:
+        """Announce this rank's step to its FFN rank (outside any graph)."""
+        self._check(ATT, "send_plan")
+        self._drain_sends()
+        try:
+            self._control.send_plan(plan)
+        except AFDError as e:
+            raise self._fail(e) from None
+        self._plan = plan
+        self._tokens = plan.ubatch_tokens
+        self._steps += 1
+
+    def send_a2f(
+        self,
+        layer_idx: int,
+        ubatch_idx: int,
+        hidden: torch.Tensor,
+        routing: Routing | None = None,
+    ) -> SendHandle:
+        """Start sending ``hidden [T, H]`` (and routing ``[T, K]``) to the FFN."""
+        self._check(ATT, "send_a2f")
+        n = self._planned(layer_idx, ubatch_idx)
+        step = self._plan.step_id  # type: ignore[union-attr]
+        self._check_tensor("hidden", hidden, (n, self._hidden), self._dtype)
+        parts = [(hidden, Kind.A2F_HIDDEN)]
+        if self._gate:
+            if routing is None:
+                raise AFDConnectorError(
+                    "send_a2f needs routing: compute_gate_on_attention is on"
+                )
+            k = self._top_k
+            w, ids = routing.topk_weights, routing.topk_ids
+            self._check_tensor("topk_weights", w, (n, k), torch.float32)
+            self._check_tensor("topk_ids", ids, (n, k), torch.int32)
+            parts += [
+                (routing.topk_weights, Kind.A2F_TOPK_WEIGHTS),
+                (routing.topk_ids, Kind.A2F_TOPK_IDS),
+            ]
+        elif routing is not None:
+            raise AFDConnectorError(
+                "send_a2f got routing but compute_gate_on_attention is off"
+            )
+        if n == 0:
+            return SendHandle((), self._wait_all)
+        early = None
+        if self._data.prepost_recv:
+            early = self._post_f2a(layer_idx, ubatch_idx, n)
+            self._preposted[(layer_idx, ubatch_idx)] = early
+        peer = self._peers[0]
+        pending = [
+            self._post(
+                True,
+                t.contiguous(),
+                peer,
+                ExchangeKey(step, layer_idx, ubatch_idx, kind),
+            )
+            for t, kind in parts
+        ]
+        self._a2f_bytes += sum(t.numel() * t.element_size() for t, _ in parts)
+        handle = SendHandle(pending, self._wait_all)
+        self._pending_sends.append(handle)
+        if early is not None:
+            # Gloo is slow when a receive is waited before the send posted
+            # ahead of it: the F2A wait completes this A2F send first (free:
+            # the FFN answers only after the A2F arrived).
+            early._before = handle
+        return handle
+
+    def irecv_f2a(
+        self, layer_idx: int, ubatch_idx: int, out: torch.Tensor | None = None
+    ) -> RecvHandle:
+        """Start receiving the FFN output ``[T, H]`` for (layer, ubatch).
+
+        ``out`` receives in place; otherwise a connector buffer is used.
+        """
+        self._check(ATT, "irecv_f2a")
+        n = self._planned(layer_idx, ubatch_idx)
+        if out is not None:
+            self._check_tensor("out", out, (n, self._hidden), self._dtype)
+        early = self._preposted.pop((layer_idx, ubatch_idx), None)
+        if early is not None:  # posted by send_a2f; lands in out on wait()
+            if out is not None:
+                early._copy_to = out
+            return early
+        if n == 0:
+            buf = out if out is not None else torch.empty(0, self._hidden)
+            return RecvHandle((), buf.to(self.device, self._dtype), self._wait_all)
+        return self._post_f2a(layer_idx, ubatch_idx, n, out)
+
+    def _post_f2a(
+        self, layer_idx: int, ubatch_idx: int, n: int, out: torch.Tensor | None = None
+    ) -> RecvHandle:
+        if out is None or not out.is_contiguous():
+            # Two buffers per ubatch, by layer parity: the output of layer L
+            # stays valid while the receive of layer L+1 is in flight.
+            slot = 2 * ubatch_idx + (layer_idx & 1)
+            buf = self._buffer("f2a", slot, (n, self._hidden), self._dtype)
+        else:
+            buf = out
+        key = ExchangeKey(self._plan.step_id, layer_idx, ubatch_idx, Kind.F2A)  # type: ignore[union-attr]
+        self._f2a_bytes += buf.numel() * buf.element_size()
+        pending = [self._post(False, buf, self._peers[0], key)]
+        copy_to = out if out is not None and buf is not out else None
+        return RecvHandle(pending, buf, self._wait_all, copy_to)
+
+    def recv_f2a(
+        self, layer_idx: int, ubatch_idx: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Blocking :meth:`irecv_f2a`: the FFN output ``[T, H]``."""
+        return self.irecv_f2a(layer_idx, ubatch_idx, out).wait()
+
+    # ------------------------------------------------------------------- ffn
+    def recv_plan(self) -> MergedPlan | None:
+        """Wait (idle, no timeout) for the next step of every attention peer.
+
+        Returns None when the peers shut down cleanly or ``close`` was called.
+        Raises: AFDPeerError (a peer died), AFDProtocolError (peers disagree).
+        """
+        self._check(FFN, "recv_plan")
+        self._drain_sends()
+        try:
+            plans = self._control.recv_plans()
+            if plans is None:
+                self._merged = self._tokens = None
+                return None
+            merged = merge_plans(self._peer_ranks, plans)
+        except AFDError as e:
+            raise self._fail(e) from None
+        self._merged = merged
+        self._tokens = merged.ubatch_tokens
+        self._a2f_plan.clear()
+        self._steps += 1
+        return merged
+
+    def recv_a2f(self, layer_idx: int, ubatch_idx: int) -> A2FBatch:
+        """The merged A2F batch ``[ΣT, H]`` of (layer, ubatch), peers in order."""
+        self._check(FFN, "recv_a2f")
+        total = self._planned(layer_idx, ubatch_idx)
+        batch, targets = self._a2f_plan.get(ubatch_idx) or self._a2f_targets(
+            ubatch_idx, total
+        )
+        step = self._merged.step_id  # type: ignore[union-attr]
+        pending = [
+            self._post(False, buf, peer, ExchangeKey(step, layer_idx, ubatch_idx, k))
+            for peer, bufs in targets
+            for buf, k in bufs
+        ]
+        self._a2f_bytes += self._a2f_nbytes[ubatch_idx]
+        self._wait_all(pending)
+        return batch
+
+    def _a2f_targets(self, ubatch_idx: int, total: int) -> tuple[A2FBatch, list]:
+        """Buffers and per-peer slices of one ubatch, built once per step."""
+        m = self._merged
+        hidden = self._buffer("a2f", ubatch_idx, (total, self._hidden), self._dtype)
+        bufs = [(hidden, Kind.A2F_HIDDEN)]
+        routing = None
+        if self._gate:
+            k = self._top_k
+            w = self._buffer("topk_w", ubatch_idx, (total, k), torch.float32)
+            ids = self._buffer("topk_ids", ubatch_idx, (total, k), torch.int32)
+            routing = Routing(w, ids)
+            bufs += [(w, Kind.A2F_TOPK_WEIGHTS), (ids, Kind.A2F_TOPK_IDS)]
+        targets = []
+        for i, peer in enumerate(self._peers):
+            n = m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
+            off = m.offsets[i][ubatch_idx]  # type: ignore[union-attr]
+            if n == total:
+                targets.append((peer, bufs))  # the only peer with tokens
+            elif n:
+                targets.append((peer, [(b[off : off + n], k) for b, k in bufs]))
+        self._a2f_nbytes[ubatch_idx] = sum(
+            b.numel() * b.element_size() for b, _ in bufs
+        )
+        entry = self._a2f_plan[ubatch_idx] = (A2FBatch(hidden, routing), targets)
+        return entry
+
+    def send_f2a(
+        self, layer_idx: int, ubatch_idx: int, out: torch.Tensor
+    ) -> SendHandle:
+        """Start returning ``out [ΣT, H]`` to the peers, each its own slice."""
+        self._check(FFN, "send_f2a")
+        total = self._planned(layer_idx, ubatch_idx)
+        self._check_tensor("out", out, (total, self._hidden), self._dtype)
+        out = out.contiguous()
+        m = self._merged
+        key = ExchangeKey(m.step_id, layer_idx, ubatch_idx, Kind.F2A)  # type: ignore[union-attr]
+        pending: list[Pending] = []
+        for i, peer in enumerate(self._peers):
+            n = m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
+            if n == total:
+                pending.append(self._post(True, out, peer, key))
+            elif n:
+                off = m.offsets[i][ubatch_idx]  # type: ignore[union-attr]
+                pending.append(self._post(True, out[off : off + n], peer, key))
+        self._f2a_bytes += out.numel() * out.element_size()
+        handle = SendHandle(pending, self._wait_all)
+        if pending:
+            self._pending_sends.append(handle)
+        return handle

@@ -1,0 +1,86 @@
+"""Control plane base: rendezvous, handshake, one plan per step, shutdown.
+
+::
+
+    attention rank a                          ffn rank k = a // r
+    ----------------                          -------------------
+    start(fp) ---- HELLO / ACCEPT|REJECT ---- start(fp)          (rendezvous)
+    send_plan(plan) ------ PLAN ------------> recv_plans() -> [plan per peer]
+       ... data plane exchanges for the step ...
+    close() ------------- SHUTDOWN ---------> recv_plans() -> None
+    peer_failure(k) <---- SHUTDOWN / EOF ---- close() or death
+
+Threading model: one thread (the worker's) calls ``start``, ``send_plan``,
+``recv_plans`` and ``peer_failure``; ``close`` may come from any thread and
+wakes a ``recv_plans`` blocked in another thread.
+
+Implementor's contract:
+
+* ``start`` blocks at most ``connect_timeout_s``; roles may start in either
+  order. A protocol version or fingerprint mismatch raises
+  :class:`AFDProtocolError` naming the differing fields on *both* sides.
+* ``recv_plans`` is an idle wait: it blocks without a timeout until the first
+  peer's plan arrives (an attention role can idle for hours), then waits at
+  most ``timeout_s`` for the other peers. A peer that closed its connection or
+  died raises :class:`AFDPeerError` promptly; a peer that sent SHUTDOWN makes
+  it return None (clean end of service). ``close`` makes it return None.
+* ``peer_failure`` never blocks: it reports what is known about a peer
+  (SHUTDOWN received, connection lost) so that a data-plane error can say why.
+* ``close`` is idempotent, best effort, never raises.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from vllm_afd.connector.protocol import Fingerprint, StepPlan
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """What the data plane needs from a finished handshake.
+
+    Attributes:
+        session: id chosen by FFN rank 0, unique per rendezvous.
+        local_host: the address of this endpoint that its peers can reach
+            ('' when unknown: let the transport pick).
+    """
+
+    session: str
+    local_host: str
+
+
+class ControlPlane(ABC):
+    """Per-step metadata between one endpoint and its peers."""
+
+    @abstractmethod
+    def start(self, fingerprint: Fingerprint) -> Rendezvous:
+        """Rendezvous with every endpoint and run the handshake.
+
+        Called by: the facade's ``start``, once, before any other method.
+        Raises: AFDProtocolError, AFDTimeoutError, AFDConnectorError.
+        """
+
+    @abstractmethod
+    def send_plan(self, plan: StepPlan) -> None:
+        """Attention: send this step's plan to the serving FFN rank.
+
+        Raises: AFDPeerError if the FFN rank shut down or is gone.
+        """
+
+    @abstractmethod
+    def recv_plans(self) -> list[StepPlan] | None:
+        """FFN: the next plan of every attention peer, in peer order.
+
+        Returns None when a peer sent SHUTDOWN or ``close`` was called.
+        Raises: AFDPeerError (peer lost), AFDTimeoutError (a peer lags).
+        """
+
+    @abstractmethod
+    def peer_failure(self, peer: int) -> str | None:
+        """Why connector rank ``peer`` is gone, or None if nothing is known."""
+
+    @abstractmethod
+    def close(self, reason: str = "closed") -> None:
+        """Send SHUTDOWN where possible and release sockets. Idempotent."""

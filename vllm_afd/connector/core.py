@@ -1,0 +1,246 @@
+"""Shared state and checks behind the connector facade (see ``connector``).
+
+Dimensions: T tokens of one attention rank's ubatch, ΣT merged tokens of an
+FFN rank's ubatch, H hidden size, K top-k.
+
+Holds the step plan, the reusable buffers, the counters, and the error path:
+after the first transport error the endpoint is unusable and every later call
+says why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from vllm_afd.config import AFDRole
+from vllm_afd.connector.control import ControlPlane
+from vllm_afd.connector.data import DataPlane
+from vllm_afd.connector.payloads import (
+    A2FBatch,
+    ConnectorStats,
+    Pending,
+    RecvHandle,
+    SendHandle,
+)
+from vllm_afd.connector.plan import MergedPlan
+from vllm_afd.connector.protocol import MAX_LAYERS, ExchangeKey, Fingerprint, StepPlan
+from vllm_afd.errors import (
+    AFDConnectorError,
+    AFDError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+)
+from vllm_afd.topology import Topology
+
+ATT, FFN = AFDRole.ATTENTION, AFDRole.FFN
+_SETTLE_S, _SETTLE_POLLS = 0.05, 6
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; AFDConnectorError if unknown."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise AFDConnectorError(f"fingerprint dtype={name!r} is not a torch dtype")
+    return dtype
+
+
+class ConnectorCore:
+    """State, checks and waits of one endpoint; the API is in ``AFDConnector``."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        role: AFDRole,
+        role_rank: int,
+        topology: Topology,
+        fingerprint: Fingerprint,
+        control: ControlPlane,
+        data: DataPlane,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.name, self.role, self.role_rank = name, role, role_rank
+        self.topology, self.fingerprint, self.device = topology, fingerprint, device
+        self._control, self._data, self._timeout_s = control, data, timeout_s
+        self._dtype = torch_dtype(fingerprint.dtype)
+        self._hidden = fingerprint.hidden_size
+        self._top_k = fingerprint.top_k
+        self._gate = fingerprint.compute_gate_on_attention
+        self._moe_layers = frozenset(fingerprint.moe_layers)
+        other = FFN if role is ATT else ATT
+        self._peer_ranks = topology.peers(role, role_rank)
+        self._peers = tuple(topology.global_rank(other, p) for p in self._peer_ranks)
+        self._started = self._closed = False
+        # The role while usable (started, not closed, not failed), else None.
+        self._live: AFDRole | None = None
+        self._tokens: tuple[int, ...] | None = None  # ubatch sizes of the step
+        n_layers = min(fingerprint.num_layers, MAX_LAYERS)
+        self._layers = (
+            frozenset(fingerprint.moe_layers) & frozenset(range(n_layers))
+            if fingerprint.compute_gate_on_attention
+            else frozenset(range(n_layers))
+        )
+        self._dev_type = device.type
+        self._failure: BaseException | None = None
+        self._plan: StepPlan | None = None
+        self._merged: MergedPlan | None = None
+        self._pending_sends: list[SendHandle] = []
+        self._pool: dict[tuple[str, int], torch.Tensor] = {}
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        # ubatch -> (batch, [(peer, [(slice, kind)])]) of the current FFN step.
+        self._a2f_plan: dict[int, tuple[A2FBatch, list]] = {}
+        self._a2f_nbytes: dict[int, int] = {}
+        # (layer, ubatch) -> F2A receive posted by send_a2f (prepost_recv).
+        self._preposted: dict[tuple[int, int], RecvHandle] = {}
+        self._steps = self._a2f_bytes = self._f2a_bytes = self._errors = 0
+        self._wait_s = 0.0
+
+    @property
+    def stats(self) -> ConnectorStats:
+        return ConnectorStats(
+            self._steps, self._a2f_bytes, self._f2a_bytes, self._wait_s, self._errors
+        )
+
+    def _check(self, role: AFDRole, method: str) -> None:
+        if role is self._live:  # started, not closed, not failed: hot path
+            return
+        if role is not self.role:
+            raise AFDConnectorError(
+                f"{method}() is a {role.value}-role call, but this connector is "
+                f"{self.role.value} rank {self.role_rank}"
+            )
+        if not self._started or self._closed:
+            state = "closed" if self._closed else "not started; call start() first"
+            raise AFDConnectorError(f"{method}(): the connector is {state}")
+        if self._failure is not None:
+            raise AFDConnectorError(
+                f"{method}(): the connector failed earlier and cannot be used: "
+                f"{self._failure}"
+            )
+
+    def _planned(self, layer_idx: int, ubatch_idx: int) -> int:
+        """Tokens of (this rank | the merged batch) in ``ubatch_idx``."""
+        tokens = self._tokens
+        if (
+            tokens is not None
+            and layer_idx in self._layers
+            and 0 <= ubatch_idx < len(tokens)
+        ):
+            return tokens[ubatch_idx]
+        if tokens is None:
+            what = "send_plan()" if self.role is ATT else "recv_plan()"
+            raise AFDConnectorError(f"no step plan yet: call {what} first")
+        if not 0 <= layer_idx < min(self.fingerprint.num_layers, MAX_LAYERS):
+            raise AFDConnectorError(
+                f"layer_idx={layer_idx} outside 0..{self.fingerprint.num_layers - 1}"
+            )
+        if self._gate and layer_idx not in self._moe_layers:
+            raise AFDConnectorError(
+                f"layer {layer_idx} is a dense layer: with compute_gate_on_attention "
+                "it runs on attention and is not exchanged"
+            )
+        if not 0 <= ubatch_idx < len(tokens):
+            if not any(tokens):
+                return 0  # a rank with no work may send an empty plan
+            raise AFDConnectorError(
+                f"ubatch_idx={ubatch_idx} but the step plans {len(tokens)} ubatches"
+            )
+        return tokens[ubatch_idx]
+
+    def _check_tensor(
+        self, name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype
+    ) -> None:
+        if t.shape == shape and t.dtype is dtype and t.device.type == self._dev_type:
+            return
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise AFDProtocolError(
+                f"{name} is {tuple(t.shape)} {t.dtype}, but the step plan and "
+                f"fingerprint expect {shape} {dtype}"
+            )
+        if t.device != self.device and t.device.type != self.device.type:
+            raise AFDConnectorError(
+                f"{name} is on {t.device}; this connector moves {self.device} tensors"
+            )
+
+    def _buffer(
+        self, slot: str, index: int, shape: tuple[int, int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        view = self._views.get((slot, index))
+        if view is not None and view.shape == shape:
+            return view  # same size as last time: no tensor op at all
+        need = shape[0] * shape[1]
+        flat = self._pool.get((slot, index))
+        if flat is None or flat.numel() < need:
+            flat = torch.empty(need, dtype=dtype, device=self.device)
+            self._pool[(slot, index)] = flat
+        view = self._views[(slot, index)] = flat[:need].view(shape)
+        return view
+
+    def _post(
+        self, is_send: bool, tensor: torch.Tensor, peer: int, key: ExchangeKey
+    ) -> Pending:
+        try:
+            op = self._data.isend if is_send else self._data.irecv
+            return (op(tensor, peer, key), peer, key, is_send)
+        except AFDError as e:
+            raise self._fail(e, peer, key, is_send) from e
+
+    def _drain_sends(self) -> None:
+        handles, self._pending_sends = self._pending_sends, []
+        for handle in handles:
+            handle.wait()
+        preposted, self._preposted = self._preposted, {}
+        for recv in preposted.values():
+            recv.wait()
+
+    def _wait_all(self, pending: Sequence[Pending]) -> None:
+        t0 = time.perf_counter()
+        for work, peer, key, is_send in pending:
+            try:
+                work.wait(self._timeout_s)
+            except AFDError as e:
+                self._wait_s += time.perf_counter() - t0
+                raise self._fail(e, peer, key, is_send) from e
+        self._wait_s += time.perf_counter() - t0
+
+    def _peer_name(self, peer: int) -> str:
+        role, rank = self.topology.role_of(peer)
+        return f"{role.value} rank {rank}"
+
+    def _fail(
+        self,
+        err: AFDError,
+        peer: int | None = None,
+        key: ExchangeKey | None = None,
+        is_send: bool = False,
+    ) -> AFDError:
+        """Record ``err`` (the connector is unusable after it), add context."""
+        self._errors += 1
+        if peer is not None and key is not None:
+            name = self._peer_name(peer)
+            what = key.describe(f"{'to' if is_send else 'from'} {name}")
+            verb = "sending" if is_send else "waiting for"
+            why = self._control.peer_failure(peer)
+            if why is None and isinstance(err, AFDPeerError):
+                # The data connection dropped first; give the control channel
+                # a moment to tell a SHUTDOWN from a crash.
+                for _ in range(_SETTLE_POLLS):
+                    time.sleep(_SETTLE_S)
+                    if (why := self._control.peer_failure(peer)) is not None:
+                        break
+            if why is not None:
+                err = AFDPeerError(f"{name} {why} while {verb} {what}")
+            elif isinstance(err, AFDTimeoutError):
+                err = AFDTimeoutError(
+                    f"timed out after {self._timeout_s}s {verb} {what}"
+                )
+            elif isinstance(err, AFDPeerError):
+                err = AFDPeerError(f"{name} is gone ({err}) while {verb} {what}")
+        self._failure = err
+        self._live = None
+        return err

@@ -1,0 +1,233 @@
+"""The single source of connector names, their options, and their builders.
+
+``config.parse_afd_config`` asks :func:`canonical_name` and
+:func:`validate_extra_config`; workers call :func:`create_connector`.
+
+    name       aliases                 what
+    p2p        P2pNcclAFDConnector     TCP control + Gloo/NCCL data plane
+    loopback   -                       threads of one process (tests)
+
+Imports neither vLLM nor torch at module level (config parsing stays light).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_afd.errors import AFDConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_afd.config import AFDConfig
+    from vllm_afd.connector.connector import AFDConnector
+    from vllm_afd.connector.protocol import Fingerprint
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``connector_extra_config`` key.
+
+    Attributes:
+        kind: ``float``, ``int``, ``str`` or ``bool``; a float option accepts ints.
+        default: value used when the key is absent.
+        doc: one line for docs and error messages.
+        choices: allowed values of a ``str`` option, or None for any.
+    """
+
+    kind: type
+    default: Any
+    doc: str
+    choices: tuple[str, ...] | None = None
+
+
+_TIMEOUTS = {
+    "timeout_s": Option(
+        float, 60.0, "every per-step blocking wait (plan of a lagging peer, A2F, F2A)"
+    ),
+    "connect_timeout_s": Option(
+        float, 600.0, "rendezvous + handshake at start(); roles may start in any order"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """A registered connector: its names, options and builder."""
+
+    name: str
+    aliases: tuple[str, ...]
+    options: Mapping[str, Option]
+    build: Callable[..., AFDConnector]
+
+
+def _build_p2p(*args: Any) -> AFDConnector:
+    from vllm_afd.connector.p2p import build
+
+    return build(*args)
+
+
+def _build_loopback(*args: Any) -> AFDConnector:
+    from vllm_afd.connector.loopback import build
+
+    return build(*args)
+
+
+_SPECS: tuple[ConnectorSpec, ...] = (
+    ConnectorSpec(
+        name="loopback",
+        aliases=(),
+        options=dict(_TIMEOUTS),
+        build=_build_loopback,
+    ),
+    ConnectorSpec(
+        name="p2p",
+        aliases=("P2pNcclAFDConnector",),
+        options={
+            **_TIMEOUTS,
+            "backend": Option(
+                str,
+                "auto",
+                "data plane: auto (nccl for cuda devices, else gloo), gloo, nccl",
+                ("auto", "gloo", "nccl"),
+            ),
+        },
+        build=_build_p2p,
+    ),
+)
+_BY_NAME = {s.name: s for s in _SPECS}
+_ALIASES = {a: s.name for s in _SPECS for a in (s.name, *s.aliases)}
+
+
+def registered_names() -> tuple[str, ...]:
+    """Canonical names of every registered connector, sorted."""
+    return tuple(sorted(_BY_NAME))
+
+
+def canonical_name(name: str) -> str:
+    """Resolve an alias to the canonical connector name.
+
+    Raises:
+        AFDConfigError: ``name`` is not registered; lists the registered names.
+    """
+    if isinstance(name, str) and name in _ALIASES:
+        return _ALIASES[name]
+    raise AFDConfigError(
+        f"afd.connector={name!r} is not a registered connector; registered: "
+        f"{', '.join(registered_names())} (aliases: "
+        f"{', '.join(sorted(a for a in _ALIASES if a not in _BY_NAME))})"
+    )
+
+
+def spec(name: str) -> ConnectorSpec:
+    """The :class:`ConnectorSpec` of ``name`` (an alias is fine)."""
+    return _BY_NAME[canonical_name(name)]
+
+
+def _check_option(name: str, key: str, value: Any, opt: Option) -> Any:
+    where = f"afd.connector_extra_config.{key}={value!r}"
+    if opt.kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want = "a number"
+    elif opt.kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        want = "an integer"
+    else:
+        ok = isinstance(value, opt.kind)
+        want = {bool: "true or false", str: "a string"}.get(opt.kind, opt.kind.__name__)
+    if not ok:
+        raise AFDConfigError(
+            f"{where} has type {type(value).__name__}; it must be {want} ({opt.doc})"
+        )
+    if opt.choices is not None and value not in opt.choices:
+        raise AFDConfigError(
+            f"{where} is not one of {', '.join(opt.choices)} for connector {name!r}"
+        )
+    if opt.kind is float:
+        if value <= 0:
+            raise AFDConfigError(f"{where} must be > 0 seconds")
+        value = float(value)
+    return value
+
+
+def validate_extra_config(name: str, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Check ``connector_extra_config`` against the connector's options.
+
+    Returns:
+        A new dict with every option of the connector, defaults filled in.
+
+    Raises:
+        AFDConfigError: not a mapping, unknown key (naming the valid keys), or
+            a value of the wrong type or out of range.
+    """
+    s = spec(name)
+    if not isinstance(extra, Mapping):
+        raise AFDConfigError(
+            f"afd.connector_extra_config must be a JSON object, got "
+            f"{type(extra).__name__}"
+        )
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        opt = s.options.get(key)
+        if opt is None:
+            raise AFDConfigError(
+                f"afd.connector_extra_config.{key} is not an option of connector "
+                f"{s.name!r}; valid keys: {', '.join(sorted(s.options))}"
+            )
+        out[key] = _check_option(s.name, key, value, opt)
+    for key, opt in s.options.items():
+        out.setdefault(key, opt.default)
+    return out
+
+
+def _check_fingerprint(config: AFDConfig, fingerprint: Fingerprint, name: str) -> None:
+    expected = {
+        "num_attention_ranks": config.num_attention_ranks,
+        "num_ffn_ranks": config.num_ffn_ranks,
+        "compute_gate_on_attention": config.compute_gate_on_attention,
+        "connector": name,
+    }
+    bad = [k for k, v in expected.items() if getattr(fingerprint, k) != v]
+    if bad:
+        detail = ", ".join(
+            f"{k}: fingerprint={getattr(fingerprint, k)!r} afd={expected[k]!r}"
+            for k in bad
+        )
+        raise AFDConfigError(f"fingerprint disagrees with the afd config: {detail}")
+
+
+def create_connector(
+    config: AFDConfig,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    device: torch.device | str = "cpu",
+) -> AFDConnector:
+    """Build (not start) the connector endpoint of this process.
+
+    Args:
+        config: the parsed afd config (role, connector, address, topology).
+        role_rank: this endpoint's rank within its role.
+        fingerprint: model + topology + options both roles must agree on.
+        device: where exchanged tensors live (``cpu`` or a ``cuda`` device).
+
+    Raises:
+        AFDConfigError: bad rank, options or fingerprint.
+    """
+    import torch
+
+    from vllm_afd.topology import Topology
+
+    s = spec(config.connector)
+    extra = validate_extra_config(s.name, config.connector_extra_config)
+    topology = Topology(config.num_attention_ranks, config.num_ffn_ranks)
+    n = topology.num_ranks(config.role)
+    if not 0 <= role_rank < n:
+        raise AFDConfigError(
+            f"{config.role.value} rank {role_rank} outside 0..{n - 1} for "
+            f"topology {topology.name}"
+        )
+    _check_fingerprint(config, fingerprint, s.name)
+    dev = torch.device(device)
+    return s.build(config, role_rank, fingerprint, dev, topology, extra)

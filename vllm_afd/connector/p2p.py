@@ -1,0 +1,81 @@
+"""The ``p2p`` connector (alias ``P2pNcclAFDConnector``).
+
+Control plane: plain TCP (``p2p_control``, ``p2p_rendezvous``); ffn rank 0
+listens on ``afd.host:afd.port``. Data plane: a private Gloo (CPU tensors) or
+NCCL (CUDA tensors) process group (``p2p_data``) on a ``TCPStore`` at
+``afd.port + 1``.
+
+Options (``connector_extra_config``): ``timeout_s`` (60), ``connect_timeout_s``
+(600), ``backend`` (``auto`` | ``gloo`` | ``nccl``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_afd.connector.connector import AFDConnector
+from vllm_afd.connector.p2p_control import P2PControlPlane
+from vllm_afd.connector.p2p_data import P2PDataPlane
+from vllm_afd.errors import AFDConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_afd.config import AFDConfig
+    from vllm_afd.connector.protocol import Fingerprint
+    from vllm_afd.topology import Topology
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> ``nccl`` for CUDA devices, ``gloo`` otherwise."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    want = "cuda" if backend == "nccl" else "cpu"
+    if device.type != want:
+        raise AFDConfigError(
+            f"afd.connector_extra_config.backend={backend!r} moves {want} tensors, "
+            f"but the connector device is {device}; use backend 'auto'"
+        )
+    return backend
+
+
+def build(
+    config: AFDConfig,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    device: torch.device,
+    topology: Topology,
+    extra: dict[str, Any],
+) -> AFDConnector:
+    """Factory hook for ``p2p``."""
+    backend = resolve_backend(extra["backend"], device)
+    timeout_s, connect_timeout_s = extra["timeout_s"], extra["connect_timeout_s"]
+    control = P2PControlPlane(
+        host=config.host,
+        port=config.port,
+        topology=topology,
+        role=config.role,
+        role_rank=role_rank,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+    )
+    data = P2PDataPlane(
+        host=config.host,
+        store_port=config.port + 1,
+        global_rank=topology.global_rank(config.role, role_rank),
+        world_size=topology.world_size,
+        backend=backend,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+    )
+    return AFDConnector(
+        name="p2p",
+        role=config.role,
+        role_rank=role_rank,
+        topology=topology,
+        fingerprint=fingerprint,
+        control=control,
+        data=data,
+        device=device,
+        timeout_s=timeout_s,
+    )

@@ -1,0 +1,172 @@
+"""Control plane of the p2p connector: plans and SHUTDOWN over plain TCP.
+
+FFN rank 0 listens on ``afd.host:afd.port`` for the rendezvous (see
+``p2p_rendezvous``); afterwards every attention rank holds one connection to
+the FFN rank that serves it. The FFN side waits on its peers' sockets and a
+wake-up pipe with ``select``, so a dead peer (EOF) or ``close()`` from another
+thread ends an idle wait at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+
+from vllm_afd.config import AFDRole
+from vllm_afd.connector import p2p_rendezvous, protocol
+from vllm_afd.connector.control import ControlPlane, Rendezvous
+from vllm_afd.connector.p2p_wire import Channel
+from vllm_afd.connector.protocol import Fingerprint, MsgType, StepPlan
+from vllm_afd.errors import AFDPeerError, AFDProtocolError, AFDTimeoutError
+from vllm_afd.topology import Topology
+
+
+class P2PControlPlane(ControlPlane):
+    """TCP control plane; see ``control.ControlPlane`` for the contract."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        topology: Topology,
+        role: AFDRole,
+        role_rank: int,
+        timeout_s: float,
+        connect_timeout_s: float,
+    ) -> None:
+        self._host, self._port, self._topo = host, port, topology
+        self._role, self._rank = role, role_rank
+        self._timeout_s, self._connect_timeout_s = timeout_s, connect_timeout_s
+        self._channels: list[Channel] = []
+        self._peers = topology.peers(role, role_rank)
+        other = AFDRole.FFN if role is AFDRole.ATTENTION else AFDRole.ATTENTION
+        self._peer_global = [topology.global_rank(other, p) for p in self._peers]
+        self._shutdown: dict[int, str] = {}  # peer index -> reason
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self, fingerprint: Fingerprint) -> Rendezvous:
+        if self._role is AFDRole.FFN and self._rank == 0:
+            joined = p2p_rendezvous.serve(
+                self._host, self._port, self._topo, fingerprint,
+                self._connect_timeout_s,
+            )  # fmt: skip
+        else:
+            joined = p2p_rendezvous.join(
+                self._host, self._port, self._topo, self._role, self._rank,
+                fingerprint, self._connect_timeout_s,
+            )  # fmt: skip
+        self._channels = joined.channels
+        return Rendezvous(joined.session, joined.local_host)
+
+    # ---------------------------------------------------------- attention
+    def send_plan(self, plan: StepPlan) -> None:
+        ch = self._channels[0]
+        why = self._failure_of(0)
+        if why is not None:
+            raise AFDPeerError(
+                f"{ch.peer} {why}; cannot send the plan of step {plan.step_id}"
+            )
+        ch.send(plan.to_wire())
+
+    # ---------------------------------------------------------------- ffn
+    def recv_plans(self) -> list[StepPlan] | None:
+        chans = self._channels
+        plans: list[StepPlan | None] = [None] * len(chans)
+        first_at: float | None = None
+        while True:
+            for i, ch in enumerate(chans):
+                if plans[i] is not None:
+                    continue
+                if ch.inbox:
+                    msg = ch.inbox.popleft()
+                    if msg["type"] == MsgType.SHUTDOWN.value:
+                        self._shutdown[i] = str(msg.get("reason", ""))
+                        return None
+                    if msg["type"] != MsgType.PLAN.value:
+                        raise AFDProtocolError(
+                            f"expected PLAN from {ch.peer}, got {msg['type']}"
+                        )
+                    plans[i] = StepPlan.from_wire(msg)
+                    first_at = first_at or time.monotonic()
+                elif ch.eof:
+                    raise AFDPeerError(
+                        f"{ch.peer} closed its connection without SHUTDOWN (it "
+                        "exited or was killed) while this ffn rank waited for its "
+                        "next step plan"
+                    )
+            if all(p is not None for p in plans):
+                return plans  # type: ignore[return-value]
+            timeout = None
+            if first_at is not None:
+                timeout = first_at + self._timeout_s - time.monotonic()
+                if timeout <= 0:
+                    missing = [chans[i].peer for i, p in enumerate(plans) if p is None]
+                    step = next(p.step_id for p in plans if p is not None)
+                    raise AFDTimeoutError(
+                        f"timed out after {self._timeout_s}s waiting for the plan "
+                        f"of step {step} from {', '.join(missing)}"
+                    )
+            waiting = [c for i, c in enumerate(chans) if not (plans[i] or c.inbox)]
+            if self._closed:
+                return None
+            try:
+                ready, _, _ = select.select([self._wake_r, *waiting], [], [], timeout)
+            except (OSError, ValueError):
+                if self._closed:
+                    return None
+                raise
+            if self._wake_r in ready or self._closed:
+                return None
+            for ch in ready:
+                ch.fill()
+
+    # --------------------------------------------------------------- both
+    def peer_failure(self, peer: int) -> str | None:
+        try:
+            index = self._peer_global.index(peer)
+        except ValueError:
+            return None
+        return self._failure_of(index)
+
+    def _failure_of(self, index: int) -> str | None:
+        if index in self._shutdown:
+            return f"shut down ({self._shutdown[index]})"
+        if index >= len(self._channels) or self._closed:
+            return None
+        ch = self._channels[index]
+        try:
+            ch.fill()
+        except AFDProtocolError as e:
+            return f"sent garbage ({e})"
+        for msg in list(ch.inbox):
+            if msg["type"] == MsgType.SHUTDOWN.value:
+                self._shutdown[index] = str(msg.get("reason", ""))
+                return f"shut down ({self._shutdown[index]})"
+        if ch.eof:
+            return "closed its connection (it exited or was killed)"
+        return None
+
+    def close(self, reason: str = "closed") -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.write(self._wake_w, b"x")
+        for ch in self._channels:
+            if not ch.eof:
+                with contextlib.suppress(AFDPeerError):
+                    ch.send(protocol.shutdown(reason))
+            ch.close()
+        # The pipe stays open: a recv_plans in another thread may still select
+        # on it; it is freed with this object.
+
+    def __del__(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,140 @@
+"""TCP plumbing of the p2p control plane: listen, connect with retry, frames.
+
+Messages are the framed JSON records of ``protocol``; no tensors travel here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import select
+import socket
+import time
+from collections import deque
+from typing import Any
+
+from vllm_afd.connector import protocol
+from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
+
+_RETRY_S = 0.2
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free port).
+
+    Raises:
+        AFDConnectorError: the address is in use or not local; names the fix.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise AFDConnectorError(
+                f"cannot listen on {host}:{port}: address already in use. Another "
+                "vllm-afd deployment or program holds it; stop it or choose a free "
+                "afd.port (the p2p connector uses afd.port and afd.port+1)"
+            ) from None
+        raise AFDConnectorError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}. afd.host must be "
+            "an address of the machine that runs ffn rank 0"
+        ) from None
+    return sock
+
+
+def connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.socket:
+    """Connect to ``host:port``, retrying until ``deadline`` (monotonic).
+
+    Raises:
+        AFDTimeoutError: nobody accepted before the deadline.
+    """
+    last: OSError | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AFDTimeoutError(
+                f"could not reach {host}:{port} within {timeout_s}s (last error: "
+                f"{last}). Check afd.host and afd.port, and that ffn rank 0 is "
+                "running (raise connect_timeout_s if it starts slowly)"
+            )
+        try:
+            sock = socket.create_connection((host, port), timeout=min(remaining, 5.0))
+        except OSError as e:
+            last = e
+            time.sleep(min(_RETRY_S, max(deadline - time.monotonic(), 0)))
+            continue
+        sock.settimeout(None)
+        return sock
+
+
+class Channel:
+    """One control connection: framed JSON messages, an inbox, EOF tracking."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self.sock, self.peer = sock, peer
+        self.inbox: deque[dict[str, Any]] = deque()
+        self.eof = False
+        self._buf = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send one message (blocking until written to the kernel)."""
+        data = protocol.encode(msg)
+        try:
+            self.sock.setblocking(True)
+            self.sock.sendall(data)
+        except OSError as e:
+            self.eof = True
+            raise AFDPeerError(f"{self.peer} is unreachable ({e})") from None
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.setblocking(False)
+
+    def fill(self) -> None:
+        """Read whatever is available now, never blocking; decode frames."""
+        while not self.eof:
+            try:
+                chunk = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                return
+            self._buf += chunk
+            self.inbox.extend(protocol.decode_frames(self._buf))
+
+    def recv(self, deadline: float, waiting_for: str, timeout_s: float) -> dict:
+        """The next message, waiting at most until ``deadline`` (monotonic).
+
+        Raises:
+            AFDPeerError: the connection closed first.
+            AFDTimeoutError: nothing arrived in time.
+        """
+        while True:
+            self.fill()
+            if self.inbox:
+                return self.inbox.popleft()
+            if self.eof:
+                raise AFDPeerError(
+                    f"{self.peer} closed the connection while waiting for {waiting_for}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AFDTimeoutError(
+                    f"timed out after {timeout_s}s waiting for {waiting_for} from "
+                    f"{self.peer}"
+                )
+            select.select([self.sock], [], [], remaining)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
