@@ -1,0 +1,163 @@
+"""Unit tests for the tiny random-weight checkpoint writer (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import pytest
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from vllm_afd.models.tiny_checkpoint import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    TINY_ARCHS,
+    tiny_config,
+    write_tiny_checkpoint,
+)
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _tensor_names(path: Path) -> set[str]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_write_same_seed_gives_identical_files(tmp_path: Path, arch: str) -> None:
+    a = write_tiny_checkpoint(tmp_path / "a", arch=arch, num_layers=2, seed=3)
+    b = write_tiny_checkpoint(tmp_path / "b", arch=arch, num_layers=2, seed=3)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_write_different_seed_gives_different_weights(tmp_path: Path) -> None:
+    a = write_tiny_checkpoint(tmp_path / "a", num_layers=2, seed=0)
+    b = write_tiny_checkpoint(tmp_path / "b", num_layers=2, seed=1)
+    assert (a / "model.safetensors").read_bytes() != (
+        b / "model.safetensors"
+    ).read_bytes()
+
+
+def test_write_produces_hf_checkpoint_files(tmp_path: Path) -> None:
+    out = write_tiny_checkpoint(tmp_path / "ckpt", num_layers=2)
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (out / name).is_file(), name
+
+
+def test_config_v2_uses_softmax_greedy_routing(tmp_path: Path) -> None:
+    out = write_tiny_checkpoint(tmp_path / "v2", arch="deepseek_v2", num_layers=3)
+    cfg = _config(out)
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert cfg["model_type"] == "deepseek_v2"
+    assert cfg["scoring_func"] == "softmax"
+    assert cfg["topk_method"] == "greedy"
+    assert cfg["routed_scaling_factor"] == 1.0
+    assert cfg["first_k_dense_replace"] >= 1
+    assert cfg["num_hidden_layers"] == 3
+    assert cfg["tie_word_embeddings"] is False
+    names = _tensor_names(out)
+    assert not any("e_score_correction_bias" in n for n in names)
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+
+
+def test_config_v3_uses_biased_grouped_sigmoid_routing(tmp_path: Path) -> None:
+    out = write_tiny_checkpoint(tmp_path / "v3", arch="deepseek_v3", num_layers=3)
+    cfg = _config(out)
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["model_type"] == "deepseek_v3"
+    assert cfg["scoring_func"] == "sigmoid"
+    assert cfg["topk_method"] == "noaux_tc"
+    assert cfg["n_group"] > 1
+    assert cfg["topk_group"] < cfg["n_group"]
+    assert cfg["routed_scaling_factor"] != 1.0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert bias.shape == (cfg["n_routed_experts"],)
+    assert bool((bias != 0).all())
+
+
+@pytest.mark.parametrize("gpu_dims, head_dim", [(False, 32), (True, 128)])
+def test_config_mla_dims_match_vllm_backends(gpu_dims: bool, head_dim: int) -> None:
+    cfg = tiny_config("deepseek_v3", gpu_dims=gpu_dims)
+    assert cfg["kv_lora_rank"] == 512
+    assert cfg["qk_rope_head_dim"] == 64
+    assert cfg["qk_nope_head_dim"] == head_dim
+    assert cfg["v_head_dim"] == head_dim
+
+
+def test_write_hidden_size_and_dtype_are_applied(tmp_path: Path) -> None:
+    out = write_tiny_checkpoint(
+        tmp_path / "c", num_layers=2, hidden_size=64, dtype="bfloat16"
+    )
+    assert _config(out)["hidden_size"] == 64
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert embed.shape[1] == 64
+    assert str(embed.dtype) == "torch.bfloat16"
+
+
+def test_tokenizer_round_trips_text(tmp_path: Path) -> None:
+    out = write_tiny_checkpoint(tmp_path / "t", num_layers=2)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "Hello! The quick brown fox reads 42 books, naïvely."
+    enc = tok.encode(text)
+    assert enc.ids[0] == tok.token_to_id(BOS_TOKEN)
+    assert tok.decode(enc.ids, skip_special_tokens=True) == text
+    assert tok.get_vocab_size() == _config(out)["vocab_size"]
+
+
+def test_tokenizer_config_has_special_tokens_and_chat_template(
+    tmp_path: Path,
+) -> None:
+    out = write_tiny_checkpoint(tmp_path / "t", num_layers=2)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_cfg["bos_token"] == BOS_TOKEN
+    assert tok_cfg["eos_token"] == EOS_TOKEN
+    prompt = jinja2.Template(tok_cfg["chat_template"]).render(
+        messages=[{"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+    )
+    assert prompt == f"{BOS_TOKEN}<|user|>\nhi{EOS_TOKEN}\n<|assistant|>\n"
+    cfg = _config(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert cfg["bos_token_id"] == tok.token_to_id(BOS_TOKEN)
+    assert cfg["eos_token_id"] == tok.token_to_id(EOS_TOKEN)
+
+
+def test_write_bad_arch_raises_naming_valid_archs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as exc:
+        write_tiny_checkpoint(tmp_path / "x", arch="llama")
+    for arch in TINY_ARCHS:
+        assert arch in str(exc.value)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_layers": 1}, "num_layers"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"hidden_size": 100}, "hidden_size"),
+    ],
+)
+def test_write_bad_argument_raises_naming_field(
+    tmp_path: Path, kwargs: dict, field: str
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        write_tiny_checkpoint(tmp_path / "x", **kwargs)

@@ -1,0 +1,96 @@
+"""``vllm-afd demo``: AFD answering requests, checked against plain vLLM.
+
+Makes a tiny DeepSeek model if missing, launches it 1A1F with AFD, sends
+prompts through the OpenAI API (completions, chat, streaming), reads the AFD
+counters from ``/metrics``, stops it, serves the same model with plain vLLM
+and the same settings, sends the same prompts, and prints both outputs,
+``identical: yes/no`` and the per-step AFD figures. Exits 0 only when the
+outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vllm_afd.cli.client import (
+    DEMO_PROMPTS,
+    Answers,
+    afd_metrics,
+    collect_answers,
+    per_step_figures,
+)
+from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
+
+DEFAULT_DIR = Path.home() / ".cache" / "vllm-afd" / "tiny-deepseek"
+DEMO_VLLM_ARGS = [
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "16",
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="serve a tiny model with AFD and compare")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help=f"tiny model directory (default {DEFAULT_DIR}-<arch>)",
+    )
+    p.add_argument(
+        "--arch", choices=("deepseek_v2", "deepseek_v3"), default="deepseek_v2"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--afd-port", type=int, default=29650)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--quiet", action="store_true", help="hide server logs")
+    p.set_defaults(func=run_demo)
+
+
+def _print_answers(title: str, answers: Answers) -> None:
+    print(f"\n== {title}")
+    pairs = zip(DEMO_PROMPTS, answers.completions, strict=True)
+    for i, (prompt, text) in enumerate(pairs):
+        print(f"  [{i}] {prompt!r} -> {text!r}")
+    print(f"  chat      -> {answers.chat!r}")
+    print(f"  streaming -> {answers.stream!r}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+    model_dir = args.model_dir or Path(f"{DEFAULT_DIR}-{args.arch}")
+    if not (model_dir / "config.json").exists():
+        print(f"writing tiny {args.arch} model to {model_dir}", flush=True)
+        write_tiny_checkpoint(model_dir, arch=args.arch, num_layers=4)
+    log = None if args.quiet else sys.stdout
+    spec = DeploymentSpec(
+        model=str(model_dir),
+        port=args.port,
+        afd_port=args.afd_port,
+        vllm_args=list(DEMO_VLLM_ARGS),
+    )
+    print("starting AFD 1A1F (attention + FFN) ...", flush=True)
+    with Deployment(spec, log=log) as afd:
+        print(f"AFD ready: {afd.api_url}/v1", flush=True)
+        afd_answers = collect_answers(afd.api_url, args.max_tokens)
+        metrics = afd_metrics(afd.api_url)
+    print("starting plain vLLM on the same model and settings ...", flush=True)
+    with PlainServer(spec, log=log) as plain:
+        plain_answers = collect_answers(plain.url, args.max_tokens)
+
+    _print_answers("AFD 1A1F", afd_answers)
+    _print_answers("plain vLLM", plain_answers)
+    identical = afd_answers == plain_answers
+    print(f"\nidentical: {'yes' if identical else 'no'}")
+    print("\nAFD per step (attention rank 0):")
+    for key, value in per_step_figures(metrics).items():
+        print(f"  {key:28s} {value}")
+    return 0 if identical else 1

@@ -1,0 +1,369 @@
+"""``vllm-afd launch``: start, watch and stop every role process of a deployment.
+
+One ``vllm serve`` per role: the attention role (``--data-parallel-size M``
+when M > 1) answers the OpenAI API; the FFN role (``--data-parallel-size N``
+when N > 1) listens on its own port and answers no completions. The launcher
+waits until both report healthy, prints the API URL, streams each process's
+log with a prefix, and stops everything on Ctrl-C, SIGTERM, or when any
+process exits (non-zero, naming it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from vllm_afd.config import DEFAULT_PORT
+
+#: CPU work-around for vLLM 0.32.0's rotary kernel on DeepSeek (see docs).
+CPU_COMPILATION_CONFIG = '{"custom_ops":["all","-rotary_embedding"]}'
+
+
+class LaunchError(RuntimeError):
+    """A role process failed to start or died."""
+
+
+@dataclass
+class RoleProcess:
+    """One supervised ``vllm serve`` process."""
+
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    _pump: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log: IO[str] | None) -> None:
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._pump = threading.Thread(
+            target=_pump_lines,
+            args=(self.proc.stdout, f"[{self.name}] ", log),
+            daemon=True,
+        )
+        self._pump.start()
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        _signal_group(self.proc, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _pump_lines(stream: IO[bytes], prefix: str, log: IO[str] | None) -> None:
+    for raw in iter(stream.readline, b""):
+        if log is not None:
+            log.write(prefix + raw.decode(errors="replace"))
+            log.flush()
+
+
+@dataclass
+class DeploymentSpec:
+    """What to launch. ``vllm_args`` go to every role process."""
+
+    model: str
+    attention_ranks: int = 1
+    ffn_ranks: int = 1
+    port: int = 8000
+    ffn_port: int | None = None
+    afd_port: int = DEFAULT_PORT
+    host: str = "127.0.0.1"
+    connector: str = "p2p"
+    gate_on_attention: bool = False
+    connector_extra_config: dict = field(default_factory=dict)
+    vllm_args: list[str] = field(default_factory=list)
+    cpu_workaround: bool | None = None  # None: when no CUDA device is visible
+
+    def afd_config(self, role: str) -> dict:
+        return {
+            "role": role,
+            "connector": self.connector,
+            "host": self.host,
+            "port": self.afd_port,
+            "num_attention_ranks": self.attention_ranks,
+            "num_ffn_ranks": self.ffn_ranks,
+            "compute_gate_on_attention": self.gate_on_attention,
+            "connector_extra_config": self.connector_extra_config,
+        }
+
+
+def _wants_cpu_workaround(spec: DeploymentSpec) -> bool:
+    if any(a.startswith("--compilation-config") or a == "-cc" for a in spec.vllm_args):
+        return False
+    if spec.cpu_workaround is not None:
+        return spec.cpu_workaround
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def serve_argv(model: str, port: int, extra: Sequence[str]) -> list[str]:
+    """argv of one ``vllm-afd serve`` process."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm_afd.cli.main",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
+    """The processes of ``spec``: FFN first (it hosts the rendezvous)."""
+    common = list(spec.vllm_args)
+    if _wants_cpu_workaround(spec):
+        common += ["--compilation-config", CPU_COMPILATION_CONFIG]
+    ffn_port = spec.ffn_port or spec.port + 1
+    env = dict(os.environ)
+    env.pop("AFD_SERVER_PID", None)
+    procs = []
+    for role, ranks, port in (
+        ("ffn", spec.ffn_ranks, ffn_port),
+        ("attention", spec.attention_ranks, spec.port),
+    ):
+        extra = ["--additional-config", json.dumps({"afd": spec.afd_config(role)})]
+        if ranks > 1:
+            extra += ["--data-parallel-size", str(ranks)]
+        procs.append(
+            RoleProcess(role, serve_argv(spec.model, port, extra + common), port, env)
+        )
+    return procs
+
+
+class Deployment:
+    """A running AFD deployment; use as a context manager."""
+
+    def __init__(self, spec: DeploymentSpec, log: IO[str] | None = sys.stdout) -> None:
+        self.spec = spec
+        self.log = log
+        self.processes = role_processes(spec)
+
+    @property
+    def api_url(self) -> str:
+        return self.attention.url
+
+    @property
+    def attention(self) -> RoleProcess:
+        return next(p for p in self.processes if p.name == "attention")
+
+    @property
+    def ffn(self) -> RoleProcess:
+        return next(p for p in self.processes if p.name == "ffn")
+
+    def start(self, ready_timeout: float = 600.0) -> None:
+        for proc in self.processes:
+            proc.start(self.log)
+        deadline = time.monotonic() + ready_timeout
+        waiting = list(self.processes)
+        while waiting:
+            self.check_alive()
+            waiting = [p for p in waiting if not p.healthy()]
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in waiting)
+                self.stop()
+                raise LaunchError(
+                    f"timed out after {ready_timeout:.0f}s waiting for {names} to "
+                    "become healthy"
+                )
+            time.sleep(0.5)
+
+    def dead(self) -> RoleProcess | None:
+        return next((p for p in self.processes if p.exit_code() is not None), None)
+
+    def check_alive(self) -> None:
+        dead = self.dead()
+        if dead is not None:
+            code = dead.exit_code()
+            self.stop()
+            raise LaunchError(f"the {dead.name} process exited with code {code}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        # Attention first: its shutdown tells the FFN to stop.
+        for proc in reversed(self.processes):
+            proc.stop(timeout)
+
+    def __enter__(self) -> Deployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="start and supervise an AFD deployment",
+        description="Start every role process, wait until ready, print the API "
+        "URL; stop all on Ctrl-C or when one dies. Arguments after `--` go to "
+        "every `vllm serve`.",
+    )
+    p.add_argument("model")
+    p.add_argument("-A", "--attention-ranks", type=int, default=1)
+    p.add_argument("-F", "--ffn-ranks", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000, help="attention API port")
+    p.add_argument(
+        "--ffn-port", type=int, default=None, help="FFN API port (default: --port + 1)"
+    )
+    p.add_argument(
+        "--afd-port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="connector rendezvous port (afd.port)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="connector host (afd.host)")
+    p.add_argument("--connector", default="p2p")
+    p.add_argument(
+        "--gate-on-attention",
+        action="store_true",
+        help="set afd.compute_gate_on_attention",
+    )
+    p.add_argument(
+        "--connector-extra-config",
+        type=json.loads,
+        default={},
+        help="JSON object for afd.connector_extra_config",
+    )
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="-- then arguments for every vllm serve",
+    )
+    p.set_defaults(func=run_launch)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    vllm_args = list(args.vllm_args)
+    if vllm_args[:1] == ["--"]:
+        vllm_args = vllm_args[1:]
+    spec = DeploymentSpec(
+        model=args.model,
+        attention_ranks=args.attention_ranks,
+        ffn_ranks=args.ffn_ranks,
+        port=args.port,
+        ffn_port=args.ffn_port,
+        afd_port=args.afd_port,
+        host=args.host,
+        connector=args.connector,
+        gate_on_attention=args.gate_on_attention,
+        connector_extra_config=args.connector_extra_config,
+        vllm_args=vllm_args,
+    )
+    deployment = Deployment(spec)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        deployment.start(args.ready_timeout)
+        print(
+            f"AFD {spec.attention_ranks}A{spec.ffn_ranks}F ready: "
+            f"{deployment.api_url}/v1",
+            flush=True,
+        )
+        while not stop.is_set():
+            deployment.check_alive()
+            stop.wait(1.0)
+    except KeyboardInterrupt:
+        pass
+    except LaunchError as exc:
+        print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        deployment.stop()
+    return 0
+
+
+class PlainServer:
+    """Plain vLLM (no AFD) on the spec's model and settings: the baseline."""
+
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        log: IO[str] | None = sys.stdout,
+        port: int | None = None,
+    ) -> None:
+        common = list(spec.vllm_args)
+        if _wants_cpu_workaround(spec):
+            common += ["--compilation-config", CPU_COMPILATION_CONFIG]
+        env = dict(os.environ)
+        env.pop("AFD_SERVER_PID", None)
+        self.process = RoleProcess(
+            "plain",
+            serve_argv(spec.model, port or spec.port, common),
+            port or spec.port,
+            env,
+        )
+        self.log = log
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def start(self, ready_timeout: float = 600.0) -> None:
+        self.process.start(self.log)
+        deadline = time.monotonic() + ready_timeout
+        while not self.process.healthy():
+            code = self.process.exit_code()
+            if code is not None:
+                raise LaunchError(f"plain vLLM exited with code {code}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError("timed out waiting for plain vLLM to become healthy")
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.process.stop(timeout)
+
+    def __enter__(self) -> PlainServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

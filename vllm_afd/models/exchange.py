@@ -1,0 +1,102 @@
+"""The attention role's side of the per-layer exchange.
+
+The attention model holds a parameter-free proxy at each remote MLP/MoE
+position; the proxy calls ``torch.ops.vllm_afd.ffn_exchange(hidden, layer_idx)``,
+an opaque custom op (so ``torch.compile`` never traces the transfer), which
+lands in the process's :class:`AttentionExchange`::
+
+    forward(input_ids, positions)          <- begin_step(T): send the StepPlan
+      layer i: attention ... proxy(hidden) <- exchange(hidden [T, H], i)
+                                              A2F send, F2A receive
+
+With attention tensor parallelism only TP rank 0 is a connector endpoint; it
+exchanges and broadcasts the F2A result to the other TP ranks, so a TP group
+never ships duplicate activations.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from vllm_afd.connector.protocol import ExecMode, StepPlan
+from vllm_afd.errors import AFDConnectorError
+
+
+class AttentionExchange:
+    """Per-process state: the connector, the step counter, the TP group."""
+
+    def __init__(self, connector: Any | None, tp_group: Any | None = None) -> None:
+        self.connector = connector
+        self.tp_group = tp_group
+        self.step_id = 0
+        self._lock = threading.Lock()
+
+    @property
+    def is_endpoint(self) -> bool:
+        return self.connector is not None
+
+    def begin_step(self, num_tokens: int, mode: ExecMode = ExecMode.EAGER) -> None:
+        """Send this forward's plan (called before the decoder stack runs)."""
+        with self._lock:
+            self.step_id += 1
+            if self.connector is not None:
+                self.connector.send_plan(
+                    StepPlan(
+                        step_id=self.step_id, mode=mode, ubatch_tokens=(num_tokens,)
+                    )
+                )
+
+    def exchange(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Ship ``hidden [T, H]`` for ``layer_idx``; return the FFN output."""
+        if self.connector is not None:
+            self.connector.send_a2f(layer_idx, 0, hidden.contiguous())
+            # The connector reuses its receive buffer; a compiled graph may
+            # still read this layer's output after the next exchange, so the
+            # op returns storage of its own.
+            out = self.connector.recv_f2a(layer_idx, 0).clone()
+        else:
+            out = torch.empty_like(hidden)
+        if self.tp_group is not None and self.tp_group.world_size > 1:
+            out = self.tp_group.broadcast(out, src=0)
+        return out
+
+
+_current: AttentionExchange | None = None
+
+
+def install_exchange(exchange: AttentionExchange | None) -> None:
+    """Make ``exchange`` the process's exchange (None removes it)."""
+    global _current
+    _current = exchange
+
+
+def current_exchange() -> AttentionExchange:
+    if _current is None:
+        raise AFDConnectorError(
+            "the AFD attention model ran before its connector started; the "
+            "attention worker installs it in load_model"
+        )
+    return _current
+
+
+def _ffn_exchange(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return current_exchange().exchange(hidden, layer_idx)
+
+
+def _ffn_exchange_fake(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+_lib = torch.library.Library("vllm_afd", "FRAGMENT")
+_lib.define("ffn_exchange(Tensor hidden, int layer_idx) -> Tensor")
+_lib.impl("ffn_exchange", _ffn_exchange, "CPU")
+_lib.impl("ffn_exchange", _ffn_exchange, "CUDA")
+torch.library.register_fake("vllm_afd::ffn_exchange", _ffn_exchange_fake, lib=_lib)
+
+
+def ffn_exchange(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """The custom op the attention-side proxies call."""
+    return torch.ops.vllm_afd.ffn_exchange(hidden, layer_idx)

@@ -1,0 +1,119 @@
+"""The FFN role's daemon loop: receive a plan, run the layers, send back.
+
+Plain code over the connector facade, testable with the in-process
+``loopback`` connector and no vLLM::
+
+    while plan := connector.recv_plan():         # None: peers shut down
+        for layer in remote_layers:
+            for ubatch in range(plan.num_ubatches):
+                batch = connector.recv_a2f(layer, ubatch)
+                out = compute(layer, batch)        # dense MLP or MoE, merged
+                connector.send_f2a(layer, ubatch, out)
+
+It runs on a thread started by the FFN worker once the model is loaded. An
+error ends the loop; it is kept in :attr:`FFNLoop.error`, logged, and handed
+to ``on_exit`` so the worker can surface it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: compute(layer_idx, batch) -> output [ΣT, H]; batch is a connector A2FBatch
+ComputeFn = Callable[[int, Any], torch.Tensor]
+
+
+@dataclass
+class FFNLoopStats:
+    """Counters kept by the loop (read by metrics; plain numbers)."""
+
+    steps: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    last_batch_tokens: int = 0
+
+
+class FFNLoop:
+    """Drives one FFN endpoint until its peers shut down or it is stopped."""
+
+    def __init__(
+        self,
+        connector: Any,
+        compute: ComputeFn,
+        remote_layers: Sequence[int],
+        *,
+        on_exit: Callable[[BaseException | None], None] | None = None,
+        on_step: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.connector = connector
+        self.compute = compute
+        self.remote_layers = tuple(remote_layers)
+        self.on_exit = on_exit
+        self.on_step = on_step
+        self.stats = FFNLoopStats()
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_step(self, plan: Any) -> None:
+        """Serve every remote layer and ubatch of one merged plan."""
+        if self.on_step is not None:
+            self.on_step(plan)
+        compute_s = 0.0
+        for layer_idx in self.remote_layers:
+            for ubatch_idx in range(plan.num_ubatches):
+                if plan.ubatch_tokens[ubatch_idx] == 0:
+                    continue
+                batch = self.connector.recv_a2f(layer_idx, ubatch_idx)
+                start = time.perf_counter()
+                out = self.compute(layer_idx, batch)
+                compute_s += time.perf_counter() - start
+                self.connector.send_f2a(layer_idx, ubatch_idx, out)
+        self.stats.steps += 1
+        self.stats.tokens += plan.num_tokens
+        self.stats.compute_s += compute_s
+        self.stats.last_batch_tokens = plan.num_tokens
+
+    def run(self) -> None:
+        """Loop until the peers shut down, :meth:`stop` is called, or an error."""
+        error: BaseException | None = None
+        try:
+            while not self._stopping.is_set():
+                plan = self.connector.recv_plan()
+                if plan is None:
+                    logger.info("AFD FFN loop: attention peers shut down")
+                    break
+                self.run_step(plan)
+        except BaseException as exc:  # kept, logged and handed to on_exit
+            if not self._stopping.is_set():
+                error = exc
+                self.error = exc
+                logger.error("AFD FFN loop failed: %s", exc, exc_info=exc)
+        finally:
+            if self.on_exit is not None:
+                self.on_exit(error)
+
+    def start(self, name: str = "afd-ffn-loop") -> threading.Thread:
+        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop: close the connector (unblocks it) and join."""
+        self._stopping.set()
+        self.connector.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -1,0 +1,111 @@
+"""Live AFD counters, exported where vLLM exports its metrics.
+
+The engine-config hook turns on Prometheus multiprocess mode in the API
+server before the engine starts (as vLLM itself does for several API
+servers), so counters written by a worker process appear on that server's
+``/metrics``. A publisher thread copies the connector's and the FFN loop's
+plain counters into Prometheus every ``interval`` seconds: nothing is added
+to the per-layer hot path.
+
+Metric names (labels ``role``, ``rank``)::
+
+    afd_steps_total                      forward steps exchanged
+    afd_a2f_bytes_total                  A2F payload bytes
+    afd_f2a_bytes_total                  F2A payload bytes
+    afd_connector_wait_seconds_total     host time blocked in data-plane waits
+    afd_ffn_compute_seconds_total        FFN compute time (FFN role)
+    afd_ffn_tokens_total                 tokens computed (FFN role)
+    afd_errors_total                     connector errors
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+METRICS = {
+    "steps": ("afd_steps", "AFD forward steps exchanged"),
+    "a2f_bytes": ("afd_a2f_bytes", "AFD attention-to-FFN payload bytes"),
+    "f2a_bytes": ("afd_f2a_bytes", "AFD FFN-to-attention payload bytes"),
+    "wait_s": ("afd_connector_wait_seconds", "AFD connector wait time"),
+    "compute_s": ("afd_ffn_compute_seconds", "AFD FFN compute time"),
+    "tokens": ("afd_ffn_tokens", "AFD tokens computed by the FFN role"),
+    "errors": ("afd_errors", "AFD connector errors"),
+}
+
+
+def _prometheus_counters(role: str) -> dict[str, Any]:
+    import prometheus_client
+    from prometheus_client import values
+
+    # A forked worker inherits the parent's value class, chosen before the
+    # multiprocess directory was set; choose again.
+    values.ValueClass = values.get_value_class()
+    return {
+        key: prometheus_client.Counter(name, doc, ["role", "rank"], registry=None)
+        for key, (name, doc) in METRICS.items()
+    }
+
+
+class MetricsPublisher:
+    """Copies ``snapshot()`` counters into Prometheus on a thread."""
+
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        snapshot: Callable[[], dict[str, float]],
+        interval: float = 0.5,
+    ) -> None:
+        self.labels = {"role": role, "rank": str(rank)}
+        self.snapshot = snapshot
+        self.interval = interval
+        self.counters = _prometheus_counters(role)
+        self._last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="afd-metrics", daemon=True
+        )
+
+    def start(self) -> MetricsPublisher:
+        self._thread.start()
+        return self
+
+    def publish(self) -> None:
+        current = self.snapshot()
+        for key, value in current.items():
+            delta = value - self._last.get(key, 0)
+            if delta > 0 and key in self.counters:
+                self.counters[key].labels(**self.labels).inc(delta)
+        self._last = current
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.publish()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.publish()
+
+
+def endpoint_publisher(
+    role: str, rank: int, connector: Any, loop: Any | None = None
+) -> MetricsPublisher:
+    """A started publisher for one endpoint's connector (and FFN loop)."""
+
+    def snapshot() -> dict[str, float]:
+        stats = connector.stats
+        values = {
+            "steps": stats.steps,
+            "a2f_bytes": stats.a2f_bytes,
+            "f2a_bytes": stats.f2a_bytes,
+            "wait_s": stats.wait_s,
+            "errors": stats.errors,
+        }
+        if loop is not None:
+            values["compute_s"] = loop.stats.compute_s
+            values["tokens"] = loop.stats.tokens
+        return values
+
+    return MetricsPublisher(role, rank, snapshot).start()
