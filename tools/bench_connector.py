@@ -108,10 +108,10 @@ def _setup(args, role_cpu: int, gpu: int) -> tuple[torch.device, torch.dtype]:
 def _attention(args, port: int, q: Any) -> None:
     device, dtype = _setup(args, 0, 0)
     pg = _raw_group(args, 1, port)
+    gloo = device.type == "cpu"
     rows = []
     for hid in args.hidden:
         conn = _connector(args, "attention", hid, port, device)
-        if os.environ.get("XNOPRE"): conn._data.prepost_recv = False
         conn.start()
         for step, tok in enumerate(t for t, h in _schedule(args) if h == hid):
             x = torch.randn(tok, hid).to(device, dtype)
@@ -124,8 +124,15 @@ def _attention(args, port: int, q: Any) -> None:
             for i in range(args.warmup + args.iters):
                 _sync(device)
                 t0 = time.perf_counter()
-                w = pg.send([x], 0, i % 1024)
-                r = pg.recv([buf], 0, i % 1024)
+                # The schedule the connector uses: on Gloo the receive is
+                # posted first (fast path); on NCCL it must follow the send,
+                # or it would block the stream ahead of it.
+                if gloo:
+                    r = pg.recv([buf], 0, i % 1024)
+                    w = pg.send([x], 0, i % 1024)
+                else:
+                    w = pg.send([x], 0, i % 1024)
+                    r = pg.recv([buf], 0, i % 1024)
                 w.wait()
                 r.wait()
                 _sync(device)

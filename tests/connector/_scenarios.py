@@ -134,6 +134,7 @@ def _connector(sc: Scenario, role: str, rank: int):
             "num_attention_ranks": sc.num_attention,
             "num_ffn_ranks": sc.num_ffn,
             "compute_gate_on_attention": sc.gate_on_attention,
+            **({"rank": rank} if role == "ffn" else {}),
             "connector_extra_config": {
                 "timeout_s": sc.timeout_s,
                 "connect_timeout_s": sc.connect_timeout_s,

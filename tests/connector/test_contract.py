@@ -104,7 +104,7 @@ def test_peer_killed_mid_step_survivor_errors_within_timeout(connector, victim):
     if victim == "attention":
         msg = results[("ffn", 0)]["message"]
         assert re.search(
-            r"a2f from attention rank 1 \(step 1, layer [12], ubatch 0\)", msg
+            r"a2f from attention rank 1 \(step 1, layer [12], ubatch [01]\)", msg
         )
 
 
@@ -211,13 +211,14 @@ def test_stats_and_async_handles(connector):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate", [False, True], ids=["ffn-gate", "attention-gate"])
 @pytest.mark.parametrize("topo", [(1, 1), (2, 1)], ids=["1A1F", "2A1F"])
-def test_p2p_nccl_round_trip_exact(topo):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+def test_p2p_nccl_round_trip_exact(topo, gate):
     a, f = topo
+    if not torch.cuda.is_available() or torch.cuda.device_count() < a + f:
+        pytest.skip(f"needs {a + f} CUDA GPUs (one per endpoint: NCCL)")
     sc = S.Scenario(
         "p2p", S.free_port(), a, f, num_ubatches=2, dtype="bfloat16",
-        hidden=256, device="cuda",
+        hidden=256, device="cuda", gate_on_attention=gate,
     )  # fmt: skip
     _ok(S.run(sc, limit_s=120))

@@ -228,6 +228,12 @@ def create_connector(
             f"{config.role.value} rank {role_rank} outside 0..{n - 1} for "
             f"topology {topology.name}"
         )
+    config_rank = getattr(config, "rank", None)
+    if config_rank is not None and config_rank != role_rank:
+        raise AFDConfigError(
+            f"afd.rank={config_rank} but the connector was asked for "
+            f"{config.role.value} rank {role_rank}"
+        )
     _check_fingerprint(config, fingerprint, s.name)
     dev = torch.device(device)
     return s.build(config, role_rank, fingerprint, dev, topology, extra)
