@@ -1,0 +1,22 @@
+# The two commands a newcomer needs:
+#   make demo   an AFD deployment of a locally made tiny model, answering requests
+#   make test   the test suite (what CI runs)
+.PHONY: setup demo test lint bench-connector
+
+setup:
+	@bash tools/setup.sh
+
+demo: setup
+	.venv/bin/vllm-afd demo
+
+test: setup
+	.venv/bin/ruff check vllm_afd tests tools
+	.venv/bin/ruff format --check vllm_afd tests tools
+	.venv/bin/python -m pytest -q -p no:cacheprovider
+
+lint: setup
+	.venv/bin/ruff check vllm_afd tests tools
+	.venv/bin/ruff format --check vllm_afd tests tools
+
+bench-connector: setup
+	.venv/bin/python tools/bench_connector.py
