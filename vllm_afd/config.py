@@ -46,6 +46,10 @@ class AFDConfig:
             routing with the hidden states; dense MLP layers stay on attention.
         connector_extra_config: connector-specific options, validated by the
             connector's own schema.
+        rank: FFN role only: this server's FFN rank. Every FFN rank runs as
+            its own ``vllm serve`` (FFN ranks are independent; vLLM data
+            parallelism would couple them). Attention ranks are vLLM
+            data-parallel ranks, which keeps them in lockstep.
     """
 
     role: AFDRole
@@ -58,6 +62,7 @@ class AFDConfig:
     connector_extra_config: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    rank: int | None = None
 
     @property
     def is_attention(self) -> bool:
@@ -78,6 +83,7 @@ class AFDConfig:
             "num_ffn_ranks": self.num_ffn_ranks,
             "compute_gate_on_attention": self.compute_gate_on_attention,
             "connector_extra_config": dict(self.connector_extra_config),
+            **({} if self.rank is None else {"rank": self.rank}),
         }
 
 
@@ -90,6 +96,7 @@ _KEYS: dict[str, type] = {
     "num_ffn_ranks": int,
     "compute_gate_on_attention": bool,
     "connector_extra_config": dict,
+    "rank": int,
 }
 
 
@@ -189,6 +196,24 @@ def parse_afd_config(raw: Any) -> AFDConfig:
             f"afd.num_ffn_ranks={num_f}"
         )
 
+    rank = raw.get("rank")
+    if rank is not None:
+        if role is AFDRole.ATTENTION:
+            raise AFDConfigError(
+                f"afd.rank={rank} is for the FFN role only; attention ranks are "
+                "vLLM data-parallel ranks (--data-parallel-size, "
+                "--data-parallel-rank), which keep them in lockstep"
+            )
+        if not 0 <= rank < num_f:
+            raise AFDConfigError(
+                f"afd.rank={rank} is outside 0..{num_f - 1} (afd.num_ffn_ranks={num_f})"
+            )
+    elif role is AFDRole.FFN and num_f > 1:
+        raise AFDConfigError(
+            f"afd.rank is required on the FFN role when afd.num_ffn_ranks={num_f}: "
+            f"run one vllm serve per FFN rank with afd.rank=0..{num_f - 1}"
+        )
+
     # The connector factory is the single source of connector names and of
     # the keys each connector accepts. Imported here: it sits above config.
     from vllm_afd.connector import factory
@@ -206,6 +231,7 @@ def parse_afd_config(raw: Any) -> AFDConfig:
         num_ffn_ranks=num_f,
         compute_gate_on_attention=raw.get("compute_gate_on_attention", False),
         connector_extra_config=MappingProxyType(dict(extra)),
+        rank=rank,
     )
 
 

@@ -8,10 +8,13 @@ Connector rank order puts FFN ranks first::
     r = A / F
     ffn k  <-->  attention [k*r, (k+1)*r)
 
-An *endpoint* is one connector member. Within a role deployment, every vLLM
-data-parallel rank is one endpoint; only tensor-parallel rank 0 of it joins
-the connector (the other TP ranks receive what it receives through vLLM's TP
-group), so a TP group never ships duplicate activations.
+An *endpoint* is one connector member. Attention ranks are the vLLM
+data-parallel ranks of the attention deployment (vLLM keeps them in
+lockstep, idle ranks run dummy steps, so an FFN rank can merge its peers'
+tokens every step). FFN ranks are independent ``vllm serve`` processes, each
+with ``afd.rank``. Only tensor-parallel rank 0 of a rank joins the connector
+(the other TP ranks get what it receives through vLLM's TP group), so a TP
+group never ships duplicate activations.
 
 Pure functions only; no torch, no vLLM.
 """
@@ -108,6 +111,7 @@ def endpoint_rank(
     dp_rank: int,
     dp_size: int,
     tp_rank: int,
+    ffn_rank: int | None = None,
 ) -> int | None:
     """Role rank of a vLLM worker process, or None if it does not join.
 
@@ -117,13 +121,24 @@ def endpoint_rank(
         dp_rank: vLLM data-parallel rank of the process.
         dp_size: vLLM data-parallel size of this role's deployment.
         tp_rank: vLLM tensor-parallel rank within its DP rank.
+        ffn_rank: ``afd.rank`` of an FFN server (None means 0).
 
     Returns:
-        ``dp_rank`` for TP rank 0 (the endpoint), None for other TP ranks.
+        The role rank for TP rank 0 (the endpoint), None for other TP ranks.
 
     Raises:
-        AFDConfigError: the role's DP size differs from its rank count.
+        AFDConfigError: the DP size does not fit the role's rank count.
     """
+    if role is AFDRole.FFN:
+        if dp_size != 1:
+            raise AFDConfigError(
+                f"the FFN role runs data_parallel_size={dp_size}; FFN ranks must "
+                "be independent: run one vllm serve per FFN rank (data-parallel "
+                f"size 1) with afd.rank=0..{topology.num_ffn_ranks - 1}"
+            )
+        rank = ffn_rank or 0
+        topology._check_role_rank(role, rank)
+        return rank if tp_rank == 0 else None
     expected = topology.num_ranks(role)
     if dp_size != expected:
         key = "num_attention_ranks" if role is AFDRole.ATTENTION else "num_ffn_ranks"

@@ -340,3 +340,32 @@ def test_afd_config_direct_construction_defaults_match_parse() -> None:
         assert getattr(direct, field) == getattr(parsed, field)
     assert direct.num_ffn_ranks == parsed.num_ffn_ranks
     assert direct.compute_gate_on_attention == parsed.compute_gate_on_attention
+
+
+# -- rank (FFN servers) --------------------------------------------------------
+
+
+def test_parse_rank_accepted_on_ffn_role_within_num_ffn_ranks() -> None:
+    cfg = parse_afd_config(
+        {"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2, "rank": 1}
+    )
+    assert cfg.rank == 1
+    assert parse_afd_config(cfg.to_dict()) == cfg
+
+
+def test_parse_rank_rejected_on_attention_role_naming_data_parallel() -> None:
+    with pytest.raises(AFDConfigError, match=r"afd.rank=0 is for the FFN role only"):
+        parse_afd_config({"role": "attention", "rank": 0})
+
+
+@pytest.mark.parametrize("rank", [-1, 2])
+def test_parse_rank_outside_num_ffn_ranks_rejected(rank: int) -> None:
+    with pytest.raises(AFDConfigError, match=rf"afd.rank={rank} is outside 0..1"):
+        parse_afd_config(
+            {"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2, "rank": rank}
+        )
+
+
+def test_parse_rank_required_on_ffn_role_with_several_ffn_ranks() -> None:
+    with pytest.raises(AFDConfigError, match=r"afd.rank is required .* afd.rank=0..1"):
+        parse_afd_config({"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2})

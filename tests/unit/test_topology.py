@@ -166,41 +166,67 @@ def test_endpoint_rank_is_dp_rank_on_tp0_and_none_elsewhere(
     a: int, f: int, tp: int
 ) -> None:
     topo = Topology(a, f)
-    for role in AFDRole:
-        dp = topo.num_ranks(role)
-        endpoints = []
-        for dp_rank in range(dp):
-            for tp_rank in range(tp):
-                got = endpoint_rank(
-                    topo, role, dp_rank=dp_rank, dp_size=dp, tp_rank=tp_rank
-                )
-                if tp_rank == 0:
-                    assert got == dp_rank
-                    endpoints.append(got)
-                else:
-                    assert got is None
-        # Exactly one endpoint per role rank: no TP group ships duplicates.
-        assert endpoints == list(range(dp))
+    endpoints = []
+    for dp_rank in range(a):
+        for tp_rank in range(tp):
+            got = endpoint_rank(
+                topo, AFDRole.ATTENTION, dp_rank=dp_rank, dp_size=a, tp_rank=tp_rank
+            )
+            if tp_rank == 0:
+                assert got == dp_rank
+                endpoints.append(got)
+            else:
+                assert got is None
+    # Exactly one endpoint per role rank: no TP group ships duplicates.
+    assert endpoints == list(range(a))
+
+
+@pytest.mark.parametrize(("a", "f", "tp"), ENDPOINT_CASES)
+def test_endpoint_rank_of_ffn_server_is_its_afd_rank_on_tp0(
+    a: int, f: int, tp: int
+) -> None:
+    topo = Topology(a, f)
+    for rank in range(f):
+        for tp_rank in range(tp):
+            got = endpoint_rank(
+                topo,
+                AFDRole.FFN,
+                dp_rank=0,
+                dp_size=1,
+                tp_rank=tp_rank,
+                ffn_rank=rank,
+            )
+            assert got == (rank if tp_rank == 0 else None)
 
 
 @pytest.mark.parametrize(
-    ("a", "f", "role", "dp_size", "key", "expected"),
-    [
-        (2, 1, AFDRole.ATTENTION, 1, "num_attention_ranks", 2),
-        (4, 2, AFDRole.ATTENTION, 8, "num_attention_ranks", 4),
-        (2, 1, AFDRole.FFN, 2, "num_ffn_ranks", 1),
-        (4, 2, AFDRole.FFN, 1, "num_ffn_ranks", 2),
-    ],
+    ("a", "f", "dp_size", "expected"),
+    [(2, 1, 1, 2), (4, 2, 8, 4)],
 )
-def test_endpoint_rank_rejects_dp_size_mismatch_naming_key_and_flag(
-    a: int, f: int, role: AFDRole, dp_size: int, key: str, expected: int
+def test_endpoint_rank_rejects_attention_dp_size_mismatch_naming_key_and_flag(
+    a: int, f: int, dp_size: int, expected: int
 ) -> None:
     with pytest.raises(AFDConfigError) as info:
-        endpoint_rank(Topology(a, f), role, dp_rank=0, dp_size=dp_size, tp_rank=0)
+        endpoint_rank(
+            Topology(a, f), AFDRole.ATTENTION, dp_rank=0, dp_size=dp_size, tp_rank=0
+        )
     message = str(info.value)
-    assert f"afd.{key}={expected}" in message
+    assert f"afd.num_attention_ranks={expected}" in message
     assert f"data_parallel_size={dp_size}" in message
     assert f"--data-parallel-size {expected}" in message
+
+
+def test_endpoint_rank_rejects_data_parallel_ffn_role() -> None:
+    with pytest.raises(AFDConfigError, match=r"afd.rank=0..1") as info:
+        endpoint_rank(Topology(4, 2), AFDRole.FFN, dp_rank=0, dp_size=2, tp_rank=0)
+    assert "data_parallel_size=2" in str(info.value)
+
+
+def test_endpoint_rank_rejects_ffn_rank_outside_topology() -> None:
+    with pytest.raises(ValueError, match=r"ffn rank 2 outside 0..1"):
+        endpoint_rank(
+            Topology(4, 2), AFDRole.FFN, dp_rank=0, dp_size=1, tp_rank=0, ffn_rank=2
+        )
 
 
 @pytest.mark.parametrize("dp_rank", [-1, 2])

@@ -1,8 +1,8 @@
 """``vllm-afd launch``: start, watch and stop every role process of a deployment.
 
-One ``vllm serve`` per role: the attention role (``--data-parallel-size M``
-when M > 1) answers the OpenAI API; the FFN role (``--data-parallel-size N``
-when N > 1) listens on its own port and answers no completions. The launcher
+One ``vllm serve`` for the attention role (``--data-parallel-size M`` when
+M > 1), which answers the OpenAI API, and one per FFN rank (``afd.rank``),
+each on its own port, answering no completions. The launcher
 waits until both report healthy, prints the API URL, streams each process's
 log with a prefix, and stops everything on Ctrl-C, SIGTERM, or when any
 process exits (non-zero, naming it).
@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -100,7 +101,12 @@ def _pump_lines(stream: IO[bytes], prefix: str, log: IO[str] | None) -> None:
 
 @dataclass
 class DeploymentSpec:
-    """What to launch. ``vllm_args`` go to every role process."""
+    """What to launch.
+
+    ``vllm_args`` go to every role process (and to the plain baseline);
+    ``attention_args`` / ``ffn_args`` only to that role (e.g. its
+    ``--tensor-parallel-size``).
+    """
 
     model: str
     attention_ranks: int = 1
@@ -113,6 +119,8 @@ class DeploymentSpec:
     gate_on_attention: bool = False
     connector_extra_config: dict = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
+    attention_args: list[str] = field(default_factory=list)
+    ffn_args: list[str] = field(default_factory=list)
     cpu_workaround: bool | None = None  # None: when no CUDA device is visible
 
     def afd_config(self, role: str) -> dict:
@@ -156,7 +164,11 @@ def serve_argv(model: str, port: int, extra: Sequence[str]) -> list[str]:
 
 
 def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
-    """The processes of ``spec``: FFN first (it hosts the rendezvous)."""
+    """The processes of ``spec``: FFN ranks first (FFN 0 hosts the rendezvous).
+
+    One ``vllm serve`` per FFN rank (``afd.rank``; ports ``ffn_port + k``) and
+    one for the attention role, with ``--data-parallel-size M`` when M > 1.
+    """
     common = list(spec.vllm_args)
     if _wants_cpu_workaround(spec):
         common += ["--compilation-config", CPU_COMPILATION_CONFIG]
@@ -164,16 +176,19 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
     env = dict(os.environ)
     env.pop("AFD_SERVER_PID", None)
     procs = []
-    for role, ranks, port in (
-        ("ffn", spec.ffn_ranks, ffn_port),
-        ("attention", spec.attention_ranks, spec.port),
-    ):
-        extra = ["--additional-config", json.dumps({"afd": spec.afd_config(role)})]
-        if ranks > 1:
-            extra += ["--data-parallel-size", str(ranks)]
-        procs.append(
-            RoleProcess(role, serve_argv(spec.model, port, extra + common), port, env)
-        )
+    for k in range(spec.ffn_ranks):
+        afd = spec.afd_config("ffn")
+        if spec.ffn_ranks > 1:
+            afd["rank"] = k
+        extra = ["--additional-config", json.dumps({"afd": afd})]
+        name = "ffn" if spec.ffn_ranks == 1 else f"ffn{k}"
+        argv = serve_argv(spec.model, ffn_port + k, extra + spec.ffn_args + common)
+        procs.append(RoleProcess(name, argv, ffn_port + k, env))
+    extra = ["--additional-config", json.dumps({"afd": spec.afd_config("attention")})]
+    if spec.attention_ranks > 1:
+        extra += ["--data-parallel-size", str(spec.attention_ranks)]
+    argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common)
+    procs.append(RoleProcess("attention", argv, spec.port, env))
     return procs
 
 
@@ -194,11 +209,29 @@ class Deployment:
         return next(p for p in self.processes if p.name == "attention")
 
     @property
-    def ffn(self) -> RoleProcess:
-        return next(p for p in self.processes if p.name == "ffn")
+    def ffns(self) -> list[RoleProcess]:
+        return [p for p in self.processes if p.name.startswith("ffn")]
 
-    def start(self, ready_timeout: float = 600.0) -> None:
-        for proc in self.processes:
+    @property
+    def ffn(self) -> RoleProcess:
+        return self.ffns[0]
+
+    def start(
+        self,
+        ready_timeout: float = 600.0,
+        *,
+        attention_first: bool = False,
+        stagger_s: float = 0.0,
+    ) -> None:
+        """Start every role process and wait until all are healthy.
+
+        Roles may start in either order: ``attention_first`` starts the
+        attention role ``stagger_s`` seconds before the FFN role.
+        """
+        order = self.processes[::-1] if attention_first else self.processes
+        for i, proc in enumerate(order):
+            if i and stagger_s:
+                time.sleep(stagger_s)
             proc.start(self.log)
         deadline = time.monotonic() + ready_timeout
         waiting = list(self.processes)
@@ -271,6 +304,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default={},
         help="JSON object for afd.connector_extra_config",
     )
+    p.add_argument(
+        "--attention-args",
+        type=shlex.split,
+        default=[],
+        help="extra vllm serve arguments for the attention role only",
+    )
+    p.add_argument(
+        "--ffn-args",
+        type=shlex.split,
+        default=[],
+        help="extra vllm serve arguments for every FFN rank only",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument(
         "vllm_args",
@@ -296,6 +341,8 @@ def run_launch(args: argparse.Namespace) -> int:
         gate_on_attention=args.gate_on_attention,
         connector_extra_config=args.connector_extra_config,
         vllm_args=vllm_args,
+        attention_args=args.attention_args,
+        ffn_args=args.ffn_args,
     )
     deployment = Deployment(spec)
     stop = threading.Event()

@@ -83,6 +83,10 @@ def _wrap_create_engine_config(original: Any) -> Any:
         }
         config = original(self, *args, **kwargs)
         apply_afd_to_vllm_config(config, afd, worker_cls_was_auto=worker_cls_was_auto)
+        if afd.is_ffn:
+            from vllm_afd.serving import ffn_refusal
+
+            ffn_refusal.install()
         return config
 
     return create_engine_config
@@ -150,6 +154,7 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
         dp_rank=parallel.data_parallel_rank,
         dp_size=parallel.data_parallel_size,
         tp_rank=0,
+        ffn_rank=afd.rank,
     )
     if config.speculative_config is not None:
         raise AFDConfigError("AFD does not support speculative decoding yet")

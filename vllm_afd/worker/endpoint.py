@@ -73,13 +73,16 @@ def open_endpoint(
         dp_rank=parallel.data_parallel_rank,
         dp_size=parallel.data_parallel_size,
         tp_rank=tp_rank,
+        ffn_rank=afd.rank,
     )
     fingerprint = fingerprint_of(vllm_config, afd)
     connector = None
     if role_rank is not None:
         connector = factory.create_connector(afd, role_rank, fingerprint, device)
         connector.start()
-    rank = parallel.data_parallel_rank if role_rank is None else role_rank
+    rank = role_rank
+    if rank is None:
+        rank = (afd.rank or 0) if afd.is_ffn else parallel.data_parallel_rank
     peers = topology.peers(afd.role, rank)
     logger.info(
         "AFD %s rank %d/%d (tp rank %d%s): topology %s, peers %s rank(s) %s, "

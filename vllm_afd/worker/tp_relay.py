@@ -1,0 +1,102 @@
+"""FFN tensor parallelism: one connector endpoint, every TP rank computes.
+
+Only TP rank 0 of an FFN rank joins the connector. :class:`TPRelay` gives
+every TP rank the FFN side of the connector API, so the same
+:class:`~vllm_afd.worker.ffn_loop.FFNLoop` runs on all of them::
+
+    TP rank 0 (leader)                    TP rank j > 0 (follower)
+    plan = connector.recv_plan()  ──bcast──▶  plan
+    batch = connector.recv_a2f()  ──bcast──▶  hidden [ΣT, H] (+ routing)
+    out = mlp(hidden)   <── TP all-reduce inside the layer ──>  out
+    connector.send_f2a(out)                   (nothing to send)
+
+Broadcasts use vLLM's TP group (objects on its CPU group, tensors on its
+device group), from the loop thread; the FFN engine never runs a forward of
+its own, so nothing else uses the group concurrently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_afd.connector.payloads import A2FBatch, ConnectorStats, Routing
+
+
+class TPRelay:
+    """The FFN connector API over (leader connector + TP broadcasts)."""
+
+    def __init__(
+        self,
+        connector: Any | None,
+        tp_group: Any,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        routing_top_k: int | None = None,
+    ) -> None:
+        self.connector = connector
+        self.tp_group = tp_group
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.routing_top_k = routing_top_k
+        self._plan: Any | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.connector is not None
+
+    @property
+    def stats(self) -> ConnectorStats:
+        return self.connector.stats if self.connector is not None else ConnectorStats()
+
+    def recv_plan(self) -> Any | None:
+        plan = self.connector.recv_plan() if self.is_leader else None
+        plan = self.tp_group.broadcast_object(plan, src=0)
+        self._plan = plan
+        return plan
+
+    def recv_a2f(self, layer_idx: int, ubatch_idx: int) -> A2FBatch:
+        batch = (
+            self.connector.recv_a2f(layer_idx, ubatch_idx) if self.is_leader else None
+        )
+        num_tokens = self._plan.ubatch_tokens[ubatch_idx]
+        hidden = self._bcast(
+            None if batch is None else batch.hidden,
+            (num_tokens, self.hidden_size),
+            self.dtype,
+        )
+        routing = None
+        if self.routing_top_k is not None:
+            k = self.routing_top_k
+            routing = Routing(
+                topk_weights=self._bcast(
+                    None if batch is None else batch.routing.topk_weights,
+                    (num_tokens, k),
+                    torch.float32,
+                ),
+                topk_ids=self._bcast(
+                    None if batch is None else batch.routing.topk_ids,
+                    (num_tokens, k),
+                    torch.int32,
+                ),
+            )
+        return A2FBatch(hidden=hidden, routing=routing)
+
+    def _bcast(
+        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.tp_group.broadcast(tensor.contiguous(), src=0)
+
+    def send_f2a(self, layer_idx: int, ubatch_idx: int, out: torch.Tensor) -> None:
+        if self.is_leader:
+            self.connector.send_f2a(layer_idx, ubatch_idx, out)
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
