@@ -14,6 +14,9 @@ change diagnostics, never behaviour a user relies on.
     Directory for per-role ``torch.profiler`` traces (see docs/benchmarks.md).
 ``AFD_PROFILE_STEPS``
     Steps to trace when ``AFD_PROFILE_DIR`` is set (default 20).
+``AFD_PROFILE_SKIP``
+    Steps to let pass before tracing starts (default 0); start-up runs
+    profile and warm-up forwards that count as steps.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ AFD_SERVER_PID = "AFD_SERVER_PID"
 AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
 AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
+AFD_PROFILE_SKIP = "AFD_PROFILE_SKIP"
 
 
 def server_pid() -> int | None:
@@ -46,3 +50,7 @@ def profile_dir() -> str | None:
 
 def profile_steps() -> int:
     return int(os.environ.get(AFD_PROFILE_STEPS, "20"))
+
+
+def profile_skip() -> int:
+    return int(os.environ.get(AFD_PROFILE_SKIP, "0"))

@@ -16,6 +16,12 @@ This module imports nothing from vLLM or torch.
 
 from __future__ import annotations
 
+#: what the FFN role answers to anything that asks it to serve a request
+FFN_SERVES_NO_REQUESTS = (
+    "this is the AFD FFN role: it serves no requests. Send them to the "
+    "attention role's API server"
+)
+
 
 class AFDError(RuntimeError):
     """Base class of every error raised by vllm-afd on purpose."""

@@ -51,6 +51,7 @@ def test_parse_minimal_config_fills_defaults() -> None:
     assert dict(cfg.connector_extra_config) == {
         "timeout_s": 60.0,
         "connect_timeout_s": 600.0,
+        "warmup_timeout_s": 600.0,
         "backend": "auto",
     }
 

@@ -44,6 +44,7 @@ def test_extra_config_defaults_and_int_for_float():
     assert validate_extra_config("p2p", {}) == {
         "timeout_s": 60.0,
         "connect_timeout_s": 600.0,
+        "warmup_timeout_s": 600.0,
         "backend": "auto",
     }
     out = validate_extra_config("P2pNcclAFDConnector", {"timeout_s": 5})

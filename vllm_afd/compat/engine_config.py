@@ -15,8 +15,11 @@ the wrapper calls the original and returns; with it, the wrapper
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from vllm_afd import envs
@@ -99,10 +102,11 @@ def _enable_worker_metrics() -> None:
     itself when it runs several API servers.
     """
     from prometheus_client import values
-    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        setup_multiprocess_prometheus()
+        path = tempfile.mkdtemp(prefix="vllm-afd-metrics-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     values.ValueClass = values.get_value_class()
 
 
@@ -125,6 +129,10 @@ def apply_afd_to_vllm_config(
     )
     check_runner_generation(platform_default, config.use_v2_model_runner)
     validate_against_vllm(config, afd)
+    if afd.is_ffn:
+        # The FFN role holds no KV cache (an empty KV cache spec); vLLM's
+        # prefix-caching KV manager needs at least one cache group.
+        config.cache_config.enable_prefix_caching = False
     # Normalised copy for the workers: they re-parse it, so keep it plain.
     config.additional_config["afd"] = afd.to_dict()
 

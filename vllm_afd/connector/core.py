@@ -26,7 +26,13 @@ from vllm_afd.connector.payloads import (
     SendHandle,
 )
 from vllm_afd.connector.plan import MergedPlan
-from vllm_afd.connector.protocol import MAX_LAYERS, ExchangeKey, Fingerprint, StepPlan
+from vllm_afd.connector.protocol import (
+    MAX_LAYERS,
+    ExchangeKey,
+    ExecMode,
+    Fingerprint,
+    StepPlan,
+)
 from vllm_afd.errors import (
     AFDConnectorError,
     AFDError,
@@ -63,8 +69,10 @@ class ConnectorCore:
         data: DataPlane,
         device: torch.device,
         timeout_s: float,
+        warmup_timeout_s: float | None = None,
     ) -> None:
         self.name, self.role, self.role_rank = name, role, role_rank
+        self._warmup_timeout_s = max(timeout_s, warmup_timeout_s or timeout_s)
         self.topology, self.fingerprint, self.device = topology, fingerprint, device
         self._control, self._data, self._timeout_s = control, data, timeout_s
         self._dtype = torch_dtype(fingerprint.dtype)
@@ -198,11 +206,18 @@ class ConnectorCore:
         for recv in preposted.values():
             recv.wait()
 
+    def _step_timeout(self) -> float:
+        """``timeout_s``, or ``warmup_timeout_s`` in WARMUP/CAPTURE steps."""
+        plan = getattr(self, "_merged", None) or getattr(self, "_plan", None)
+        if plan is not None and plan.mode in (ExecMode.WARMUP, ExecMode.CAPTURE):
+            return self._warmup_timeout_s
+        return self._timeout_s
+
     def _wait_all(self, pending: Sequence[Pending]) -> None:
         t0 = time.perf_counter()
         for work, peer, key, is_send in pending:
             try:
-                work.wait(self._timeout_s)
+                work.wait(self._step_timeout())
             except AFDError as e:
                 self._wait_s += time.perf_counter() - t0
                 raise self._fail(e, peer, key, is_send) from e
@@ -237,7 +252,7 @@ class ConnectorCore:
                 err = AFDPeerError(f"{name} {why} while {verb} {what}")
             elif isinstance(err, AFDTimeoutError):
                 err = AFDTimeoutError(
-                    f"timed out after {self._timeout_s}s {verb} {what}"
+                    f"timed out after {self._step_timeout()}s {verb} {what}"
                 )
             elif isinstance(err, AFDPeerError):
                 err = AFDPeerError(f"{name} is gone ({err}) while {verb} {what}")

@@ -50,6 +50,12 @@ _TIMEOUTS = {
     "connect_timeout_s": Option(
         float, 600.0, "rendezvous + handshake at start(); roles may start in any order"
     ),
+    "warmup_timeout_s": Option(
+        float,
+        600.0,
+        "per-step waits of WARMUP/CAPTURE steps (the attention role compiles, "
+        "profiles and captures graphs in them)",
+    ),
 }
 
 

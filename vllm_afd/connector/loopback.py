@@ -313,4 +313,5 @@ def build(
         data=data,
         device=device,
         timeout_s=extra["timeout_s"],
+        warmup_timeout_s=extra["warmup_timeout_s"],
     )

@@ -5,8 +5,8 @@ listens on ``afd.host:afd.port``. Data plane: a private Gloo (CPU tensors) or
 NCCL (CUDA tensors) process group (``p2p_data``) on a ``TCPStore`` at
 ``afd.port + 1``.
 
-Options (``connector_extra_config``): ``timeout_s`` (60), ``connect_timeout_s``
-(600), ``backend`` (``auto`` | ``gloo`` | ``nccl``).
+Options (``connector_extra_config``): ``timeout_s`` (60), ``warmup_timeout_s``
+(600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def build(
         global_rank=topology.global_rank(config.role, role_rank),
         world_size=topology.world_size,
         backend=backend,
-        timeout_s=timeout_s,
+        timeout_s=max(timeout_s, extra["warmup_timeout_s"]),
         connect_timeout_s=connect_timeout_s,
     )
     return AFDConnector(
@@ -78,4 +78,5 @@ def build(
         data=data,
         device=device,
         timeout_s=timeout_s,
+        warmup_timeout_s=extra["warmup_timeout_s"],
     )

@@ -19,20 +19,25 @@ before the native loader sees them.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Iterator
 
 import torch
 from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models import deepseek_v2 as native
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from vllm_afd.compat.patching import Patch, scoped_patch
 from vllm_afd.config import AFDConfig, AFDRole, afd_config_from_additional
+from vllm_afd.connector.payloads import Routing
+from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.models.exchange import current_exchange
 from vllm_afd.models.ownership import LayerLayout, weight_owner
 from vllm_afd.models.proxies import AFDDenseProxy, AFDMoEProxy
+from vllm_afd.models.routing import AbsentGate, AFDGateProxy, ShippedRouting
 
 logger = init_logger(__name__)
 
@@ -71,6 +76,21 @@ _MLP = _swap(
         "prefix",
     ),
 )
+_GATE = _swap(
+    "GateLinear",
+    (
+        "input_size",
+        "output_size",
+        "bias",
+        "out_dtype",
+        "params_dtype",
+        "force_fp32_compute",
+        "skip_bias_add",
+        "quant_config",
+        "prefix",
+        "return_bias",
+    ),
+)
 #: modules the FFN role never builds
 _FFN_ABSENT = tuple(
     _swap(name, None)
@@ -85,8 +105,47 @@ _FFN_ABSENT = tuple(
 )
 
 
+PARAMETER_GROUPS = (
+    "embed_tokens",
+    "lm_head",
+    "norms",
+    "attention",
+    "dense_mlp",
+    "gate",
+    "shared_experts",
+    "routed_experts",
+)
+
+
+def parameter_group(name: str) -> str:
+    """Which part of the model a parameter belongs to (for per-role bytes)."""
+    if ".mlp." in name:
+        for group in ("gate", "shared_experts"):
+            if f".mlp.{group}." in name:
+                return group
+        return "routed_experts" if ".mlp.experts." in name else "dense_mlp"
+    for group in ("embed_tokens", "lm_head", "self_attn"):
+        if group in name:
+            return "attention" if group == "self_attn" else group
+    return "norms"
+
+
 class _Absent(PPMissingLayer):
     """Parameter-free stand-in for a module the other role owns."""
+
+
+_NATIVE_MLP = native.DeepseekV2MLP
+
+
+class _AbsentDenseMLP:
+    """Stand-in for ``DeepseekV2MLP`` on the FFN role when dense layers run on
+    attention: absent at a dense ``mlp`` position, native for the MoE's
+    ``shared_experts`` (the same class serves both in the native model)."""
+
+    def __new__(cls, *args: object, prefix: str = "", **kwargs: object) -> object:
+        if prefix.endswith(".shared_experts"):
+            return _NATIVE_MLP(*args, prefix=prefix, **kwargs)
+        return _Absent()
 
 
 def afd_config_of(vllm_config: VllmConfig) -> AFDConfig:
@@ -107,10 +166,13 @@ def _role_construction(afd: AFDConfig, *, model_body: bool) -> Iterator[None]:
                 if model_body or patch.target.endswith("ParallelLMHead"):
                     stack.enter_context(scoped_patch(patch, _Absent))
             if model_body and afd.compute_gate_on_attention:
-                stack.enter_context(scoped_patch(_MLP, _Absent))
+                stack.enter_context(scoped_patch(_MLP, _AbsentDenseMLP))
+                stack.enter_context(scoped_patch(_GATE, AbsentGate))
         elif model_body:
-            stack.enter_context(scoped_patch(_MOE, AFDMoEProxy))
-            if not afd.compute_gate_on_attention:
+            if afd.compute_gate_on_attention:
+                stack.enter_context(scoped_patch(_MOE, AFDGateProxy))
+            else:
+                stack.enter_context(scoped_patch(_MOE, AFDMoEProxy))
                 stack.enter_context(scoped_patch(_MLP, AFDDenseProxy))
         yield
 
@@ -136,18 +198,28 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
         self.afd = afd
         self.layout = LayerLayout.from_hf_config(self.config)
         self.remote_layers = self.layout.remote_layers(afd.compute_gate_on_attention)
+        self.shipped_routing: dict[int, ShippedRouting] = {}
+        self.compiled_ffn: dict[int, torch.nn.Module] = {}
+        if afd.is_ffn and afd.compute_gate_on_attention:
+            self.shipped_routing = {
+                i: ShippedRouting(self.model.layers[i].mlp.experts.router)
+                for i in self.layout.moe_layers
+            }
         logger.info(
-            "AFD %s model: %d layers, remote MLP/MoE layers %s, %.2f MiB of "
-            "parameters on this role",
+            "AFD %s model: %d layers, remote MLP/MoE layers %s, parameter "
+            "bytes by group %s",
             afd.role.value,
             self.layout.num_layers,
             list(self.remote_layers),
-            self.parameter_bytes() / 2**20,
+            json.dumps(self.parameter_bytes()),
         )
 
-    def parameter_bytes(self) -> int:
-        """Bytes of every parameter this role holds."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters this role holds, by :func:`parameter_group`."""
+        groups: dict[str, int] = dict.fromkeys(PARAMETER_GROUPS, 0)
+        for name, param in self.named_parameters():
+            groups[parameter_group(name)] += param.numel() * param.element_size()
+        return groups
 
     # ---- attention role -------------------------------------------------
     def forward(
@@ -162,15 +234,55 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
                 "the AFD FFN role does not run the decoder forward; it is "
                 "driven by the connector"
             )
-        current_exchange().begin_step(int(positions.shape[0]))
+        # Profile, compile and idle (dummy) forwards carry no attention
+        # metadata; they may compile on the way, so the FFN waits longer.
+        mode = (
+            ExecMode.WARMUP
+            if get_forward_context().attn_metadata is None
+            else ExecMode.EAGER
+        )
+        current_exchange().begin_step(int(positions.shape[0]), mode)
         return super().forward(
             input_ids, positions, intermediate_tensors, inputs_embeds
         )
 
     # ---- FFN role -------------------------------------------------------
-    def compute_ffn(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Run layer ``layer_idx``'s dense MLP or MoE on ``hidden [T, H]``."""
-        return self.model.layers[layer_idx].mlp(hidden)
+    def compute_ffn(
+        self, layer_idx: int, hidden: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
+        """Run layer ``layer_idx``'s dense MLP or MoE on ``hidden [T, H]``.
+
+        With ``compute_gate_on_attention`` the routing computed on attention
+        (``topk_weights``/``topk_ids [T, K]``) replaces the gate.
+        """
+        if routing is not None:
+            self.shipped_routing[layer_idx].use(routing.topk_weights, routing.topk_ids)
+        mlp = self.compiled_ffn.get(layer_idx)
+        if mlp is None:
+            mlp = self.model.layers[layer_idx].mlp
+        return mlp(hidden)
+
+    def compile_ffn(self) -> None:
+        """``torch.compile`` each remote MLP/MoE, as vLLM compiles the model.
+
+        When the attention role runs compiled, plain vLLM fuses the
+        element-wise tail of each MoE (routed scaling, shared + routed add)
+        in one compiled kernel that rounds once; the FFN role must do the
+        same to stay exact in bf16. Called before the FFN loop starts.
+        """
+        import torch._dynamo
+
+        limit = 4 * len(self.remote_layers) + 8
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, limit
+        )
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit
+        )
+        self.compiled_ffn = {
+            i: torch.compile(self.model.layers[i].mlp, dynamic=True)
+            for i in self.remote_layers
+        }
 
     # ---- both -----------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

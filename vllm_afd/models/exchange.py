@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vllm_afd.connector.payloads import Routing
 from vllm_afd.connector.protocol import ExecMode, StepPlan
 from vllm_afd.errors import AFDConnectorError
 
@@ -28,9 +29,15 @@ from vllm_afd.errors import AFDConnectorError
 class AttentionExchange:
     """Per-process state: the connector, the step counter, the TP group."""
 
-    def __init__(self, connector: Any | None, tp_group: Any | None = None) -> None:
+    def __init__(
+        self,
+        connector: Any | None,
+        tp_group: Any | None = None,
+        on_step: Any | None = None,
+    ) -> None:
         self.connector = connector
         self.tp_group = tp_group
+        self.on_step = on_step
         self.step_id = 0
         self._lock = threading.Lock()
 
@@ -42,6 +49,8 @@ class AttentionExchange:
         """Send this forward's plan (called before the decoder stack runs)."""
         with self._lock:
             self.step_id += 1
+            if self.on_step is not None:
+                self.on_step()
             if self.connector is not None:
                 self.connector.send_plan(
                     StepPlan(
@@ -49,10 +58,16 @@ class AttentionExchange:
                     )
                 )
 
-    def exchange(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Ship ``hidden [T, H]`` for ``layer_idx``; return the FFN output."""
+    def exchange(
+        self,
+        hidden: torch.Tensor,
+        layer_idx: int,
+        routing: Routing | None = None,
+    ) -> torch.Tensor:
+        """Ship ``hidden [T, H]`` (and routing) for ``layer_idx``; return the
+        FFN output ``[T, H]``."""
         if self.connector is not None:
-            self.connector.send_a2f(layer_idx, 0, hidden.contiguous())
+            self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
             # The connector reuses its receive buffer; a compiled graph may
             # still read this layer's output after the next exchange, so the
             # op returns storage of its own.
@@ -90,13 +105,56 @@ def _ffn_exchange_fake(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
     return torch.empty_like(hidden)
 
 
+def _ffn_exchange_routed(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_idx: int,
+) -> torch.Tensor:
+    routing = Routing(
+        topk_weights=topk_weights.to(torch.float32).contiguous(),
+        topk_ids=topk_ids.to(torch.int32).contiguous(),
+    )
+    return current_exchange().exchange(hidden, layer_idx, routing)
+
+
+def _ffn_exchange_routed_fake(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_idx: int,
+) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
 _lib = torch.library.Library("vllm_afd", "FRAGMENT")
 _lib.define("ffn_exchange(Tensor hidden, int layer_idx) -> Tensor")
 _lib.impl("ffn_exchange", _ffn_exchange, "CPU")
 _lib.impl("ffn_exchange", _ffn_exchange, "CUDA")
 torch.library.register_fake("vllm_afd::ffn_exchange", _ffn_exchange_fake, lib=_lib)
+_lib.define(
+    "ffn_exchange_routed(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
+    "int layer_idx) -> Tensor"
+)
+_lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CPU")
+_lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CUDA")
+torch.library.register_fake(
+    "vllm_afd::ffn_exchange_routed", _ffn_exchange_routed_fake, lib=_lib
+)
 
 
 def ffn_exchange(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """The custom op the attention-side proxies call."""
     return torch.ops.vllm_afd.ffn_exchange(hidden, layer_idx)
+
+
+def ffn_exchange_routed(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_idx: int,
+) -> torch.Tensor:
+    """The custom op of MoE proxies that route on attention."""
+    return torch.ops.vllm_afd.ffn_exchange_routed(
+        hidden, topk_weights, topk_ids, layer_idx
+    )

@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from vllm.config import CompilationMode
 from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
+from vllm_afd import envs
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import AttentionExchange, install_exchange
 from vllm_afd.worker.endpoint import Endpoint, open_endpoint
 from vllm_afd.worker.metrics import MetricsPublisher, endpoint_publisher
+from vllm_afd.worker.profiling import StepProfiler
 
 logger = init_logger(__name__)
+
+
+def warn_if_not_bit_exact(vllm_config: Any) -> None:
+    """Say so when AFD output may differ from plain vLLM in the last bits.
+
+    Compiled, plain vLLM fuses each MoE block's closing element-wise ops into
+    the next layer's residual add and RMSNorm, so the MoE output is never
+    rounded to 16 bits; AFD receives it rounded. fp32 and eager runs are
+    bit-exact.
+    """
+    dtype = vllm_config.model_config.dtype
+    compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
+    if compiled and dtype in (torch.bfloat16, torch.float16):
+        logger.warning(
+            "AFD with %s and torch.compile: greedy output can differ from plain "
+            "vLLM in rare near-ties (the MoE output crosses the connector "
+            "rounded to %s, where compiled vLLM fuses it into the next norm). "
+            "Use --enforce-eager or float32 for bit-exact parity",
+            dtype,
+            dtype,
+        )
 
 
 class AttentionSideMixin:
@@ -18,9 +45,11 @@ class AttentionSideMixin:
 
     afd_endpoint: Endpoint | None = None
     afd_metrics: MetricsPublisher | None = None
+    afd_profiler: StepProfiler | None = None
 
     def afd_start(self) -> None:
         afd = afd_config_of(self.vllm_config)  # type: ignore[attr-defined]
+        warn_if_not_bit_exact(self.vllm_config)  # type: ignore[attr-defined]
         endpoint = open_endpoint(
             self.vllm_config,  # type: ignore[attr-defined]
             afd,
@@ -31,15 +60,23 @@ class AttentionSideMixin:
             self.afd_metrics = endpoint_publisher(
                 "attention", endpoint.role_rank, endpoint.connector
             )
+        self.afd_profiler = StepProfiler(
+            "attention", endpoint.role_rank, skip=envs.profile_skip()
+        )
         tp_group = get_tp_group()
         install_exchange(
             AttentionExchange(
-                endpoint.connector, tp_group if tp_group.world_size > 1 else None
+                endpoint.connector,
+                tp_group if tp_group.world_size > 1 else None,
+                on_step=self.afd_profiler.step,
             )
         )
 
     def afd_close(self) -> None:
         install_exchange(None)
+        if self.afd_profiler is not None:
+            self.afd_profiler.close()
+            self.afd_profiler = None
         if self.afd_metrics is not None:
             self.afd_metrics.stop()
             self.afd_metrics = None

@@ -15,13 +15,9 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_afd.errors import AFDError
+from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
 from vllm_afd.worker.ffn_side import FFNSideMixin
 from vllm_afd.worker.runner_swap import CPU_RUNNER, swapped_runner
-
-FFN_SERVES_NO_REQUESTS = (
-    "the AFD FFN role serves no requests; send them to the attention role's API server"
-)
 
 
 class AFDCPUFFNModelRunner(FFNSideMixin, CPUModelRunner):

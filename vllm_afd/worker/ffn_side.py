@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import torch
+from vllm.config import CompilationMode
+from vllm.distributed import get_tp_group
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
 from vllm_afd import envs
-from vllm_afd.errors import AFDConfigError
+from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.worker.endpoint import Endpoint, open_endpoint
 from vllm_afd.worker.ffn_loop import FFNLoop
 from vllm_afd.worker.metrics import MetricsPublisher, endpoint_publisher
+from vllm_afd.worker.profiling import StepProfiler
+from vllm_afd.worker.tp_relay import TPRelay
 
 logger = init_logger(__name__)
 
@@ -32,28 +37,79 @@ class FFNSideMixin:
     afd_endpoint: Endpoint | None = None
     afd_loop: FFNLoop | None = None
     afd_metrics: MetricsPublisher | None = None
+    afd_profiler: StepProfiler | None = None
 
     def afd_start(self) -> None:
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         afd = afd_config_of(vllm_config)
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise AFDConfigError(
-                "tensor parallelism on the AFD FFN role is not supported yet; "
-                "use --tensor-parallel-size 1 on the FFN role"
-            )
+        if vllm_config.compilation_config.mode != CompilationMode.NONE:
+            self._afd_compile_and_warm_up(afd)
         endpoint = open_endpoint(vllm_config, afd, self.device)  # type: ignore[attr-defined]
         self.afd_endpoint = endpoint
         model = self.model  # type: ignore[attr-defined]
+        connector: Any = endpoint.connector
+        tp_group = get_tp_group()
+        if tp_group.world_size > 1:
+            hf = vllm_config.model_config.hf_config
+            connector = TPRelay(
+                endpoint.connector,
+                tp_group,
+                hidden_size=hf.hidden_size,
+                dtype=vllm_config.model_config.dtype,
+                device=self.device,  # type: ignore[attr-defined]
+                routing_top_k=(
+                    hf.num_experts_per_tok if afd.compute_gate_on_attention else None
+                ),
+            )
+        self.afd_profiler = StepProfiler(
+            "ffn", endpoint.role_rank, skip=envs.profile_skip()
+        )
         self.afd_loop = FFNLoop(
-            endpoint.connector,
+            connector,
             self._afd_compute,
             model.remote_layers,
             on_exit=self._afd_loop_exited,
+            on_step=lambda _plan: self.afd_profiler.step(),
         )
-        self.afd_metrics = endpoint_publisher(
-            "ffn", endpoint.role_rank, endpoint.connector, self.afd_loop
-        )
+        if endpoint.connector is not None:
+            self.afd_metrics = endpoint_publisher(
+                "ffn", endpoint.role_rank, endpoint.connector, self.afd_loop
+            )
         self.afd_loop.start()
+
+    def _afd_compile_and_warm_up(self, afd: Any) -> None:
+        """Compile the remote layers and run each once per shape class.
+
+        Done before the connector opens, so the attention role waits at the
+        rendezvous rather than inside a step.
+        """
+        model = self.model  # type: ignore[attr-defined]
+        hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        model.compile_ffn()
+        start = time.perf_counter()
+        for num_tokens in (1, 2):
+            hidden = torch.zeros(
+                num_tokens,
+                hf.hidden_size,
+                dtype=self.vllm_config.model_config.dtype,  # type: ignore[attr-defined]
+                device=self.device,  # type: ignore[attr-defined]
+            )
+            for layer_idx in model.remote_layers:
+                routing = None
+                if afd.compute_gate_on_attention:
+                    k = hf.num_experts_per_tok
+                    routing = Routing(
+                        topk_weights=torch.full((num_tokens, k), 1.0 / k),
+                        topk_ids=torch.arange(k, dtype=torch.int32).repeat(
+                            num_tokens, 1
+                        ),
+                    )
+                self._afd_compute(layer_idx, A2FBatch(hidden=hidden, routing=routing))
+        logger.info(
+            "AFD FFN: compiled and warmed up %d layers in %.1f s",
+            len(model.remote_layers),
+            time.perf_counter() - start,
+        )
 
     def _afd_compute(self, layer_idx: int, batch: Any) -> torch.Tensor:
         hidden = batch.hidden
@@ -65,7 +121,9 @@ class FFNSideMixin:
                 num_tokens=hidden.shape[0],
             ),
         ):
-            return self.model.compute_ffn(layer_idx, hidden)  # type: ignore[attr-defined]
+            return self.model.compute_ffn(  # type: ignore[attr-defined]
+                layer_idx, hidden, batch.routing
+            )
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
         if error is None and envs.keep_ffn_alive():
@@ -87,6 +145,9 @@ class FFNSideMixin:
         if self.afd_metrics is not None:
             self.afd_metrics.stop()
             self.afd_metrics = None
+        if self.afd_profiler is not None:
+            self.afd_profiler.close()
+            self.afd_profiler = None
         if self.afd_endpoint is not None:
             self.afd_endpoint.close()
             self.afd_endpoint = None

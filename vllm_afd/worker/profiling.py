@@ -1,0 +1,132 @@
+"""Per-role ``torch.profiler`` traces of a few forward steps (a debug switch).
+
+When ``AFD_PROFILE_DIR`` is set, a role process records ``AFD_PROFILE_STEPS``
+steps (default 20) and writes a Chrome trace
+``{AFD_PROFILE_DIR}/{role}-rank{rank}-pid{pid}.json`` (open it in Perfetto or
+``chrome://tracing``). Unset, :meth:`StepProfiler.step` costs one attribute
+check. Called by the attention worker once per ``begin_step`` and by the FFN
+loop once per step::
+
+    prof = StepProfiler("ffn", rank)      # reads AFD_PROFILE_DIR / _STEPS
+    while plan := connector.recv_plan():
+        prof.step()                      # call 1 starts; call N+1 exports
+        ...
+    prof.close()                         # exports a partial trace, if any
+
+Each step is a ``afd_{role}_step#{k}`` range in the trace. CPU activity is
+always recorded, CUDA activity when a CUDA device is available. The trace
+covers the threads the profiler sees; call ``step()`` from the thread that
+runs the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_afd import envs
+
+logger = logging.getLogger(__name__)
+
+
+class StepProfiler:
+    """Records ``steps`` steps of one role process, then writes a Chrome trace.
+
+    Args:
+        role: ``"attention"`` or ``"ffn"`` (names the file).
+        rank: the role rank (names the file).
+        out_dir: where to write; default ``envs.profile_dir()``. None: off.
+        steps: steps to record; default ``envs.profile_steps()``.
+        skip: calls to ignore before recording starts (e.g. warm-up steps).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        out_dir: str | os.PathLike[str] | None = None,
+        steps: int | None = None,
+        skip: int = 0,
+    ) -> None:
+        directory = out_dir if out_dir is not None else envs.profile_dir()
+        self.role, self.rank = role, rank
+        self.steps = steps if steps is not None else envs.profile_steps()
+        self.path: Path | None = None
+        if directory is not None:
+            self.path = Path(directory) / f"{role}-rank{rank}-pid{os.getpid()}.json"
+        self._skip = skip
+        self._done = self.path is None or self.steps < 1
+        self._prof: Any = None
+        self._range: Any = None
+        self._recorded = 0
+
+    @property
+    def enabled(self) -> bool:
+        """True while this profiler still has steps to record."""
+        return not self._done
+
+    def step(self) -> None:
+        """Mark the start of a step (the first recorded call starts tracing)."""
+        if self._done:
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        if self._prof is None:
+            self._start()
+        else:
+            self._range.__exit__(None, None, None)
+            self._recorded += 1
+            if self._recorded >= self.steps:
+                self._finish()
+                return
+        self._enter_range()
+
+    def close(self) -> None:
+        """Stop and export what was recorded (no-op if nothing or done)."""
+        if self._done or self._prof is None:
+            self._done = True
+            return
+        self._range.__exit__(None, None, None)
+        self._recorded += 1
+        self._finish()
+
+    def _start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        logger.info(
+            "AFD profiler: recording %d %s steps (rank %d) to %s",
+            self.steps,
+            self.role,
+            self.rank,
+            self.path,
+        )
+
+    def _enter_range(self) -> None:
+        from torch.profiler import record_function
+
+        self._range = record_function(f"afd_{self.role}_step#{self._recorded}")
+        self._range.__enter__()
+
+    def _finish(self) -> None:
+        self._done = True
+        prof, self._prof, self._range = self._prof, None, None
+        prof.__exit__(None, None, None)
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.path))
+        logger.info(
+            "AFD profiler: wrote %d %s steps (rank %d) to %s",
+            self._recorded,
+            self.role,
+            self.rank,
+            self.path,
+        )
