@@ -1,10 +1,401 @@
-"""``vllm-afd bench``: decode benchmark against a plain-vLLM baseline."""
+"""``vllm-afd bench``: an AFD deployment measured side by side with plain vLLM.
+
+::
+
+    vllm-afd bench --model DIR -A M -F N [workload] [-- vllm serve args…]
+    vllm-afd bench --afd-url URL [--ffn-url URL] [--baseline-url URL] [workload]
+
+With ``--model`` it starts the AFD deployment (``launch.Deployment``), runs
+the workload, stops it, then starts plain vLLM on the same model, settings
+and machine (``launch.PlainServer``) and runs the same requests: one after
+the other, so both have the whole machine. With URLs it drives servers that
+are already running. Phases per server: warm up, read the AFD counters, run
+the workload (streamed, timed per token), read the counters again once they
+settle. On the baseline the workload then runs once more without streaming
+to measure the bench's own overhead. See docs/benchmarks.md.
+"""
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import IO, Any
+
+from vllm_afd.cli import bench_report as report_mod
+from vllm_afd.cli.bench_workload import (
+    Request,
+    RunResult,
+    build_requests,
+    model_info,
+    parse_lengths,
+    run_requests,
+    timed_request,
+)
+from vllm_afd.cli.client import afd_metrics
+from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.config import DEFAULT_PORT
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="decode benchmark against plain vLLM")
-    p.set_defaults(func=lambda args: print("not implemented yet") or 2)
+    p = sub.add_parser(
+        "bench",
+        help="decode benchmark against plain vLLM",
+        description="Run a workload against AFD and a plain-vLLM baseline on the "
+        "same model and hardware; report side-by-side ratios. Arguments after "
+        "`--` go to every `vllm serve` it starts.",
+    )
+    t = p.add_argument_group("what to measure")
+    t.add_argument("--model", help="model directory: start AFD and the baseline")
+    t.add_argument("--afd-url", help="a running AFD deployment (attention API)")
+    t.add_argument("--ffn-url", help="the FFN role's API server (FFN counters)")
+    t.add_argument("--baseline-url", help="a running plain vLLM on the same model")
+    t.add_argument("-A", "--attention-ranks", type=int, default=1)
+    t.add_argument("-F", "--ffn-ranks", type=int, default=1)
+    t.add_argument("--baseline-devices", type=int, default=1)
+    t.add_argument("--connector", default="p2p")
+    t.add_argument("--gate-on-attention", action="store_true")
+    t.add_argument("--connector-extra-config", type=json.loads, default={})
+    t.add_argument("--port", type=int, default=8000, help="API port (launch mode)")
+    t.add_argument("--ffn-port", type=int, default=None)
+    t.add_argument("--afd-port", type=int, default=DEFAULT_PORT)
+    t.add_argument("--ready-timeout", type=float, default=600.0)
+    t.add_argument("--server-log", help="write the servers' logs to this file")
+    t.add_argument("-v", "--verbose", action="store_true", help="servers' logs")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--concurrency", type=int, default=None, help="default 8")
+    w.add_argument("--request-rate", type=float, default=None, help="req/s")
+    w.add_argument("--input-len", default="uniform:32:256", help="fixed:N, ...")
+    w.add_argument("--output-len", default="fixed:64", help="fixed:N, ...")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--warmup", type=int, default=2, help="unmeasured requests")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", help="write the report as JSON here")
+    o.add_argument("--plot-dir", help="write PNG plots here (needs matplotlib)")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--skip-overhead", action="store_true", help="skip the overhead run")
+    p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
+    p.set_defaults(func=run_bench)
+
+
+# ----------------------------------------------------------------- the model
+def _dtype(vllm_args: list[str], config: dict[str, Any]) -> str | None:
+    for i, arg in enumerate(vllm_args):
+        value = None
+        if arg == "--dtype" and i + 1 < len(vllm_args):
+            value = vllm_args[i + 1]
+        elif arg.startswith("--dtype="):
+            value = arg.split("=", 1)[1]
+        if value and value != "auto":
+            return value
+    return config.get("torch_dtype") or config.get("dtype")
+
+
+def model_facts(
+    model_dir: str | None, served: str, vllm_args: list[str], gate_on_attention: bool
+) -> dict[str, Any]:
+    """Layers, width and dtype from ``config.json`` (empty when not local)."""
+    from vllm_afd.models.ownership import LayerLayout
+
+    facts: dict[str, Any] = {"name": model_dir or served}
+    path = Path(model_dir or served) / "config.json"
+    if not path.is_file():
+        return facts
+    cfg = json.loads(path.read_text())
+    layout = LayerLayout.from_hf_config(SimpleNamespace(**cfg))
+    remote = layout.remote_layers(gate_on_attention)
+    dtype = _dtype(vllm_args, cfg)
+    size = report_mod.DTYPE_BYTES.get(str(dtype))
+    per_token = None if size is None else cfg["hidden_size"] * size
+    if per_token is not None and gate_on_attention:
+        per_token += cfg.get("num_experts_per_tok", 0) * 8  # fp32 weights, i32 ids
+    facts.update(
+        num_hidden_layers=layout.num_layers,
+        hidden_size=cfg["hidden_size"],
+        remote_layers=list(remote),
+        num_remote_layers=len(remote),
+        dtype=dtype,
+        dtype_bytes=size,
+        a2f_bytes_per_token_layer=per_token,
+    )
+    return facts
+
+
+# --------------------------------------------------------------- the servers
+class _LogTail:
+    """A log sink keeping the last lines (shown if a server fails to start).
+
+    Written by the launcher's log threads, which may outlive the run: after
+    :meth:`close` lines are only kept, not forwarded.
+    """
+
+    def __init__(self, also: IO[str] | None, owned: bool = False) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=60)
+        self.also, self.owned = also, owned
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        self.lines.append(text)
+        with self._lock:
+            if self.also is not None:
+                self.also.write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self.also is not None:
+                self.also.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            also, self.also = self.also, None
+        if also is not None and self.owned:
+            also.close()
+
+
+def _spec(args: argparse.Namespace, vllm_args: list[str]) -> DeploymentSpec:
+    return DeploymentSpec(
+        model=args.model,
+        attention_ranks=args.attention_ranks,
+        ffn_ranks=args.ffn_ranks,
+        port=args.port,
+        ffn_port=args.ffn_port,
+        afd_port=args.afd_port,
+        connector=args.connector,
+        gate_on_attention=args.gate_on_attention,
+        connector_extra_config=args.connector_extra_config,
+        vllm_args=vllm_args,
+    )
+
+
+@contextlib.contextmanager
+def afd_target(
+    args: argparse.Namespace, spec: DeploymentSpec | None, log: _LogTail
+) -> Iterator[tuple[str, str | None]]:
+    """(attention URL, FFN URL) of the deployment, started if ``spec``."""
+    if spec is None:
+        yield args.afd_url.rstrip("/"), args.ffn_url and args.ffn_url.rstrip("/")
+        return
+    _note(f"starting AFD {spec.attention_ranks}A{spec.ffn_ranks}F ...")
+    deployment = Deployment(spec, log=log)
+    deployment.start(args.ready_timeout)
+    try:
+        yield deployment.api_url, deployment.ffn.url
+    finally:
+        deployment.stop()
+
+
+@contextlib.contextmanager
+def baseline_target(
+    args: argparse.Namespace, spec: DeploymentSpec | None, log: _LogTail
+) -> Iterator[str | None]:
+    if spec is None:
+        yield args.baseline_url and args.baseline_url.rstrip("/")
+        return
+    _note("starting plain vLLM (baseline) on the same model and settings ...")
+    with PlainServer(spec, log=log) as plain:
+        yield plain.url
+
+
+def _note(text: str) -> None:
+    print(f"vllm-afd bench: {text}", file=sys.stderr, flush=True)
+
+
+def counters(url: str, ffn_url: str | None) -> dict[tuple[str, str, str], float]:
+    found = afd_metrics(url)
+    if ffn_url:
+        found.update(afd_metrics(ffn_url))
+    return found
+
+
+def settled_counters(
+    url: str, ffn_url: str | None, timeout: float = 20.0
+) -> dict[tuple[str, str, str], float]:
+    """Counters once two reads a publish interval (0.5 s) apart agree."""
+    deadline = time.monotonic() + timeout
+    last = counters(url, ffn_url)
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        now = counters(url, ffn_url)
+        if now == last:
+            return now
+        last = now
+    _note(f"AFD counters still moving after {timeout:.0f}s; using the last read")
+    return last
+
+
+# ---------------------------------------------------------------- the phases
+def _prepare(
+    args: argparse.Namespace, url: str, lengths: list[tuple[int, int]]
+) -> tuple[str, list[Request]]:
+    """Served model id and the workload's requests, tokenized by ``url``."""
+    served, max_len = model_info(url)
+    longest = max(i + o for i, o in lengths)
+    if max_len is not None and longest > max_len:
+        raise ValueError(
+            f"input + output length reaches {longest} tokens but the server's "
+            f"max_model_len is {max_len}; lower --input-len/--output-len"
+        )
+    ins, outs = zip(*lengths, strict=True)
+    return served, build_requests(url, served, ins, outs, args.seed)
+
+
+def _warm_up(url: str, served: str, requests: list[Request], n: int) -> None:
+    # Reversed prompts: same lengths, no prefix-cache hits for the workload.
+    for req in requests[:n]:
+        warm = Request(0, req.prompt[::-1], min(req.output_len, 4))
+        timed_request(url, served, warm, stream=True)
+
+
+def _run(
+    args: argparse.Namespace,
+    name: str,
+    url: str,
+    served: str,
+    requests: list[Request],
+    devices: int,
+    stream: bool = True,
+) -> RunResult:
+    return run_requests(
+        name,
+        url,
+        served,
+        requests,
+        concurrency=args.concurrency,
+        rate=args.request_rate,
+        seed=args.seed,
+        stream=stream,
+        devices=devices,
+        progress=not args.no_progress,
+    )
+
+
+def _role_ranks(args: argparse.Namespace, delta: dict) -> tuple[int, int]:
+    """(attention, FFN) ranks: those seen in the counters, else -A and -F."""
+    seen = {(role, rank) for _, role, rank in delta}
+    attention = sum(role == "attention" for role, _ in seen) or args.attention_ranks
+    ffn = sum(role == "ffn" for role, _ in seen) or args.ffn_ranks
+    return attention, ffn
+
+
+def _config(
+    args: argparse.Namespace, vllm_args: list[str], ranks: tuple[int, int]
+) -> dict[str, Any]:
+    a, f = ranks
+    return {
+        "mode": "launch" if args.model and not args.afd_url else "urls",
+        "deployment": f"{a}A{f}F",
+        "af_ratio": f"{a}:{f}",
+        "attention_ranks": a,
+        "ffn_ranks": f,
+        "connector": args.connector,
+        "gate_on_attention": args.gate_on_attention,
+        "num_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "vllm_args": vllm_args,
+        "afd_url": args.afd_url,
+        "ffn_url": args.ffn_url,
+        "baseline_url": args.baseline_url,
+    }
+
+
+def measure(args: argparse.Namespace, vllm_args: list[str], log: _LogTail) -> dict:
+    """Run every phase and return the report."""
+    rng = random.Random(args.seed)
+    n = args.num_requests
+    ins = parse_lengths(args.input_len, "input_len").sample(n, rng)
+    outs = parse_lengths(args.output_len, "output_len").sample(n, rng)
+    lengths = list(zip(ins, outs, strict=True))
+    spec = _spec(args, vllm_args) if args.model and not args.afd_url else None
+
+    with afd_target(args, spec, log) as (url, ffn_url):
+        served, requests = _prepare(args, url, lengths)
+        _warm_up(url, served, requests, args.warmup)
+        before = settled_counters(url, ffn_url)
+        afd = _run(args, "AFD", url, served, requests, devices=1)
+        delta = report_mod.counter_delta(before, settled_counters(url, ffn_url))
+    ranks = _role_ranks(args, delta)
+    afd = dataclasses.replace(afd, devices=sum(ranks))
+
+    baseline = plain = None
+    with baseline_target(args, spec, log) as base_url:
+        if base_url:
+            base_served, _ = model_info(base_url)
+            _warm_up(base_url, base_served, requests, args.warmup)
+            devices = args.baseline_devices
+            baseline = _run(args, "baseline", base_url, base_served, requests, devices)
+            if not args.skip_overhead:
+                plain = _run(
+                    args,
+                    "baseline, no streaming",
+                    base_url,
+                    base_served,
+                    requests,
+                    devices,
+                    stream=False,
+                )
+    if baseline is None:
+        _note("no baseline (--baseline-url not given): no side-by-side ratios")
+    facts = model_facts(args.model, served, vllm_args, args.gate_on_attention)
+    return report_mod.build_report(
+        _config(args, vllm_args, ranks),
+        facts,
+        afd,
+        baseline,
+        delta,
+        report_mod.overhead_figures(baseline, plain),
+        lengths,
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    vllm_args = list(args.vllm_args)
+    if not (args.model or args.afd_url):
+        _note("give --model DIR (start AFD and the baseline) or --afd-url URL")
+        return 2
+    for flag, value in (
+        ("--num-requests", args.num_requests),
+        ("--concurrency", args.concurrency),
+        ("--request-rate", args.request_rate),
+    ):
+        if value is not None and value <= 0:
+            _note(f"{flag}={value} must be positive")
+            return 2
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = 8
+    if args.server_log:
+        log = _LogTail(open(args.server_log, "w"), owned=True)  # noqa: SIM115
+    else:
+        log = _LogTail(sys.stderr if args.verbose else None)
+    try:
+        report = measure(args, vllm_args, log)
+    except (LaunchError, ValueError, OSError) as exc:
+        if not args.verbose and log.lines:
+            sys.stderr.write("".join(log.lines))
+        _note(f"failed: {exc}")
+        return 1
+    finally:
+        log.close()
+    print(report_mod.format_table(report), flush=True)
+    if args.json:
+        report_mod.write_json(report, args.json)
+        _note(f"wrote {args.json}")
+    if args.plot_dir:
+        path = report_mod.plot_report(report, args.plot_dir)
+        _note(f"wrote {path}" if path else "matplotlib not installed: no plots")
+    failed = report["afd"]["failed"] + ((report["baseline"] or {}).get("failed") or 0)
+    return 1 if failed else 0

@@ -317,18 +317,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="extra vllm serve arguments for every FFN rank only",
     )
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument(
-        "vllm_args",
-        nargs=argparse.REMAINDER,
-        help="-- then arguments for every vllm serve",
-    )
+    p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
 
 
 def run_launch(args: argparse.Namespace) -> int:
     vllm_args = list(args.vllm_args)
-    if vllm_args[:1] == ["--"]:
-        vllm_args = vllm_args[1:]
     spec = DeploymentSpec(
         model=args.model,
         attention_ranks=args.attention_ranks,

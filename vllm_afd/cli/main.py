@@ -72,7 +72,18 @@ def main(argv: list[str] | None = None) -> int:
 
         run_vllm_cli(argv)
         return 0
-    args = build_parser().parse_args(argv)
+    # Everything after the first `--` goes to vllm serve, untouched.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "vllm_args"):
+        if passthrough:
+            parser.error(f"{args.command} takes no vllm serve arguments after --")
+    else:
+        args.vllm_args = passthrough
     return int(args.func(args) or 0)
 
 

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Small KV cache: the tiny models need little and CI machines have 2 cores.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Tiny DeepSeek-V2 and -V3 checkpoints made locally, shared by the session."""
+    from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=4)
+        for arch in ("deepseek_v2", "deepseek_v3")
+    }

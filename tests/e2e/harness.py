@@ -1,0 +1,224 @@
+"""Shared helpers for the end-to-end tests: real servers, real requests.
+
+Each test module starts its vLLM servers once (module fixtures) and runs all
+its checks in that lifetime. Outputs are compared as token ids
+(``return_tokens_as_token_ids``) with their top-5 logprobs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
+
+#: settings shared by AFD and the baseline: exactness is "same settings"
+BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
+
+WORDS = (
+    "experts route tokens through layers while attention keeps the cache and "
+    "the scheduler batches requests for the next step of decoding in the server"
+).split()
+
+
+def prompts(n: int = 16) -> list[str]:
+    """``n`` deterministic prompts from 1 to ~200 tokens."""
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 144, 160, 180, 200, 7]
+    out = []
+    for i in range(n):
+        k = lengths[i % len(lengths)]
+        out.append(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(k)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    top_logprobs: tuple[dict[int, float], ...]
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
+
+
+def _parse_choice(choice: dict[str, Any]) -> Completion:
+    lp = choice["logprobs"]
+    return Completion(
+        token_ids=tuple(_token_id(t) for t in lp["tokens"]),
+        top_logprobs=tuple(
+            {_token_id(t): v for t, v in top.items()} for top in lp["top_logprobs"]
+        ),
+    )
+
+
+def _body(model: str, prompt: str, max_tokens: int, stream: bool) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+            "stream": stream,
+        }
+    ).encode()
+
+
+def complete(
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    stream: bool,
+    timeout: float = 300.0,
+) -> Completion:
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=_body(model, prompt, max_tokens, stream),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        if not stream:
+            return _parse_choice(json.loads(resp.read())["choices"][0])
+        ids: list[int] = []
+        tops: list[dict[int, float]] = []
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            part = _parse_choice(json.loads(line[5:])["choices"][0])
+            ids += part.token_ids
+            tops += part.top_logprobs
+        return Completion(tuple(ids), tuple(tops))
+
+
+def run_workload(url: str, model: str, texts: list[str]) -> list[Completion]:
+    """All prompts at once; even ones streamed; 32-64 new tokens."""
+    jobs = [(p, 32 + (i * 7) % 33, i % 2 == 0) for i, p in enumerate(texts)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda j: complete(url, model, *j), jobs))
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def assert_same_outputs(
+    afd: list[Completion], plain: list[Completion], atol: float
+) -> None:
+    """Token ids identical; same top-5 tokens, logprobs within ``atol``."""
+    assert len(afd) == len(plain)
+    for i, (a, p) in enumerate(zip(afd, plain, strict=True)):
+        assert a.token_ids == p.token_ids, f"request {i}: greedy tokens differ"
+        pairs = zip(a.top_logprobs, p.top_logprobs, strict=True)
+        for step, (ta, tp) in enumerate(pairs):
+            assert set(ta) == set(tp), f"request {i} step {step}: top-5 differ"
+            for tok in ta:
+                assert abs(ta[tok] - tp[tok]) <= atol, (
+                    f"request {i} step {step} token {tok}: "
+                    f"logprob {ta[tok]} vs {tp[tok]}"
+                )
+
+
+def http_error(url: str, body: dict[str, Any], timeout: float) -> tuple[int, str]:
+    """POST and return (status, body) of an expected HTTP error."""
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def make_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
+    port, ffn_port, afd_port = free_ports(3)
+    return DeploymentSpec(
+        model=str(model),
+        port=port,
+        ffn_port=ffn_port,
+        afd_port=afd_port,
+        vllm_args=[*BASE_ARGS, *extra],
+        **kw,
+    )
+
+
+__all__ = ["Deployment", "PlainServer"]
+
+
+class LogSink(io.StringIO):
+    """Collects the launcher's prefixed role logs (thread-safe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def write(self, s: str) -> int:
+        with self._lock:
+            return super().write(s)
+
+
+_PARAM_LINE = re.compile(
+    r"^\[(?P<proc>\w+)\].*AFD (?P<role>attention|ffn) model: .*parameter bytes "
+    r"by group (?P<groups>\{.*\})"
+)
+
+
+def parameter_bytes(log_text: str) -> dict[str, dict[str, int]]:
+    """``{role: {group: bytes}}`` from the AFD model's start-up log line."""
+    found: dict[str, dict[str, int]] = {}
+    for line in log_text.splitlines():
+        match = _PARAM_LINE.match(line)
+        if match:
+            found[match.group("role")] = json.loads(match.group("groups"))
+    return found
+
+
+def settled_metrics(url: str, timeout: float = 15.0) -> dict:
+    """AFD counters of a server once they stop changing (published every 0.5 s)."""
+    from vllm_afd.cli.client import afd_metrics
+
+    deadline = time.monotonic() + timeout
+    last = afd_metrics(url)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        current = afd_metrics(url)
+        if current == last:
+            return current
+        last = current
+    return last

@@ -1,0 +1,101 @@
+"""AFD 1A1F over p2p is token-for-token identical to plain vLLM.
+
+For tiny DeepSeek-V2 and DeepSeek-V3 models: fp32 compiled (vLLM's CPU
+default) and bf16 eager (bf16 compiled is not bit-exact, see
+docs/architecture.md "Exactness"): 16 concurrent prompts of 1-200 tokens, 32-64 greedy
+new tokens, half of them streamed; top-5 logprobs compared. Each case runs
+one AFD deployment and one plain server and does all its checks in those
+lifetimes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from harness import (
+    Deployment,
+    PlainServer,
+    assert_same_outputs,
+    http_error,
+    make_spec,
+    prompts,
+    run_workload,
+    served_model,
+)
+
+from vllm_afd.cli.client import afd_metrics
+
+pytestmark = pytest.mark.e2e
+
+CASES = [
+    # (arch, dtype, extra vLLM args, start attention first)
+    ("deepseek_v2", "float32", [], False),
+    ("deepseek_v2", "bfloat16", ["--enforce-eager"], True),
+    ("deepseek_v3", "float32", [], True),
+    ("deepseek_v3", "bfloat16", ["--enforce-eager"], False),
+]
+
+#: fp32 logprobs must agree to float rounding; bf16 to its own resolution
+ATOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def settled_metrics(afd, timeout: float = 15.0):
+    """Both roles' AFD counters once every step is published on both sides.
+
+    Counters are published every 0.5 s on a thread, so a busy machine may
+    show one role a little behind the other for a moment.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        att, ffn = afd_metrics(afd.api_url), afd_metrics(afd.ffn.url)
+        key_a, key_f = ("afd_steps", "attention", "0"), ("afd_steps", "ffn", "0")
+        if att.get(key_a) == ffn.get(key_f) or time.monotonic() > deadline:
+            return att, ffn
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,extra,attention_first",
+    CASES,
+    ids=[f"{a}-{d}-{'eager' if e else 'compiled'}" for a, d, e, _ in CASES],
+)
+def test_afd_1a1f_greedy_output_equals_plain_vllm(
+    tiny_models, arch, dtype, extra, attention_first
+):
+    spec = make_spec(tiny_models[arch], ["--dtype", dtype, *extra])
+    texts = prompts(16)
+
+    afd = Deployment(spec, log=None)
+    afd.start(attention_first=attention_first, stagger_s=5.0)
+    try:
+        model = served_model(afd.api_url)
+        afd_out = run_workload(afd.api_url, model, texts)
+        metrics, ffn_metrics = settled_metrics(afd)
+        status, body = http_error(
+            f"{afd.ffn.url}/v1/completions",
+            {"model": model, "prompt": "hi", "max_tokens": 4},
+            timeout=30,
+        )
+    finally:
+        afd.stop()
+
+    plain = PlainServer(spec, log=None)
+    plain.start()
+    try:
+        plain_out = run_workload(plain.url, served_model(plain.url), texts)
+    finally:
+        plain.stop()
+
+    assert_same_outputs(afd_out, plain_out, ATOL[dtype])
+    # The FFN role answers no completions, with an error that says where to go.
+    assert status == 404, body
+    assert "FFN role" in body, body
+    # Live counters moved on both roles, and A2F bytes match F2A bytes.
+    steps = metrics[("afd_steps", "attention", "0")]
+    assert steps > 0
+    assert (
+        metrics[("afd_a2f_bytes", "attention", "0")]
+        == metrics[("afd_f2a_bytes", "attention", "0")]
+    )
+    assert ffn_metrics[("afd_steps", "ffn", "0")] == steps

@@ -1,0 +1,84 @@
+"""Faults between real role processes: nothing hangs, errors name the peer.
+
+* The FFN dies mid-decode: in-flight and new requests on the attention role
+  fail within the connector timeout, and the attention log names the FFN peer.
+* The attention role stops: the FFN role exits by itself, cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from harness import Deployment, LogSink, complete, make_spec, served_model
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 10.0
+
+
+def _start(tiny_models, log):
+    spec = make_spec(
+        tiny_models["deepseek_v2"],
+        ["--dtype", "float32", "--enforce-eager"],
+        connector_extra_config={"timeout_s": TIMEOUT_S},
+    )
+    afd = Deployment(spec, log=log)
+    afd.start()
+    return afd
+
+
+def _long_request(url: str, model: str, outcome: dict) -> None:
+    start = time.monotonic()
+    try:
+        complete(url, model, "experts " * 50, 400, stream=True, timeout=120)
+        outcome["result"] = "completed"
+    except (urllib.error.URLError, OSError, json.JSONDecodeError, KeyError) as exc:
+        outcome["result"] = f"failed: {exc!r}"
+    outcome["seconds"] = time.monotonic() - start
+
+
+def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
+    log = LogSink()
+    afd = _start(tiny_models, log)
+    try:
+        model = served_model(afd.api_url)
+        complete(afd.api_url, model, "warm up", 4, stream=False)
+        outcome: dict = {}
+        worker = threading.Thread(
+            target=_long_request, args=(afd.api_url, model, outcome)
+        )
+        worker.start()
+        time.sleep(2.0)
+        killed_at = time.monotonic()
+        afd.ffn.proc.send_signal(signal.SIGKILL)
+        worker.join(TIMEOUT_S + 60)
+        assert not worker.is_alive(), "in-flight request hung after the FFN died"
+        assert outcome["result"].startswith("failed"), outcome
+        assert time.monotonic() - killed_at < TIMEOUT_S + 60
+        # A new request fails too (error response or refused connection).
+        with pytest.raises((urllib.error.URLError, OSError)):
+            complete(afd.api_url, model, "after", 4, stream=False, timeout=60)
+    finally:
+        afd.stop()
+    text = log.getvalue()
+    assert "ffn rank 0" in text, text[-3000:]
+
+
+def test_attention_stop_makes_ffn_exit_cleanly(tiny_models):
+    afd = _start(tiny_models, None)
+    try:
+        model = served_model(afd.api_url)
+        complete(afd.api_url, model, "hello", 4, stream=False)
+        afd.attention.stop(timeout=60)
+        deadline = time.monotonic() + 60
+        while afd.ffn.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert afd.ffn.exit_code() == 0
+    finally:
+        afd.stop()

@@ -1,0 +1,104 @@
+"""Gate placement: exact either way, and each role holds only its weights.
+
+* ``compute_gate_on_attention=true``: attention runs the gate and top-k and
+  ships ``topk_weights``/``topk_ids`` with the hidden states; dense MLP
+  layers run on attention; the FFN holds experts only, never the gate.
+  DeepSeek-V2 (softmax) and DeepSeek-V3 (sigmoid, correction bias, grouped
+  top-k), fp32, against plain vLLM.
+* Default (gate on FFN): the attention role holds no MLP/MoE bytes at all.
+
+A2F bytes are checked against the layout: per token and remote layer,
+``H * 4`` (fp32 hidden) plus ``K * (4 + 4)`` (fp32 weights, int32 ids) when
+the gate runs on attention.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import (
+    Deployment,
+    LogSink,
+    PlainServer,
+    assert_same_outputs,
+    make_spec,
+    parameter_bytes,
+    prompts,
+    run_workload,
+    served_model,
+    settled_metrics,
+)
+
+from vllm_afd.models.ownership import LayerLayout
+
+pytestmark = pytest.mark.e2e
+
+ATTENTION_ONLY = ("embed_tokens", "lm_head", "norms", "attention")
+
+
+def _run(tiny_models, arch, gate_on_attention):
+    spec = make_spec(
+        tiny_models[arch],
+        ["--dtype", "float32", "--enforce-eager"],
+        gate_on_attention=gate_on_attention,
+    )
+    texts = prompts(16)
+    log = LogSink()
+    afd = Deployment(spec, log=log)
+    afd.start()
+    try:
+        afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
+        ffn_metrics = settled_metrics(afd.ffn.url)
+    finally:
+        afd.stop()
+    plain = PlainServer(spec, log=None)
+    plain.start()
+    try:
+        plain_out = run_workload(plain.url, served_model(plain.url), texts)
+    finally:
+        plain.stop()
+    return afd_out, plain_out, parameter_bytes(log.getvalue()), ffn_metrics
+
+
+def _config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_gate_on_attention_exact_and_ffn_holds_experts_only(tiny_models, arch):
+    afd_out, plain_out, params, ffn_metrics = _run(tiny_models, arch, True)
+    assert_same_outputs(afd_out, plain_out, atol=1e-5)
+
+    attention, ffn = params["attention"], params["ffn"]
+    assert attention["gate"] > 0 and attention["dense_mlp"] > 0
+    assert attention["routed_experts"] == attention["shared_experts"] == 0
+    assert ffn["gate"] == ffn["dense_mlp"] == 0
+    assert ffn["routed_experts"] > 0 and ffn["shared_experts"] > 0
+    assert all(ffn[group] == 0 for group in ATTENTION_ONLY)
+
+    cfg = _config(tiny_models[arch])
+    layout = LayerLayout(cfg["num_hidden_layers"], cfg["first_k_dense_replace"])
+    per_token = len(layout.moe_layers) * (
+        cfg["hidden_size"] * 4 + cfg["num_experts_per_tok"] * 8
+    )
+    tokens = ffn_metrics[("afd_ffn_tokens", "ffn", "0")]
+    assert ffn_metrics[("afd_a2f_bytes", "ffn", "0")] == tokens * per_token
+
+
+def test_gate_on_ffn_attention_holds_no_mlp_bytes(tiny_models):
+    afd_out, plain_out, params, ffn_metrics = _run(tiny_models, "deepseek_v3", False)
+    assert_same_outputs(afd_out, plain_out, atol=1e-5)
+
+    attention, ffn = params["attention"], params["ffn"]
+    for group in ("gate", "dense_mlp", "shared_experts", "routed_experts"):
+        assert attention[group] == 0, (group, attention)
+        assert ffn[group] > 0, (group, ffn)
+    assert all(attention[group] > 0 for group in ATTENTION_ONLY)
+    assert all(ffn[group] == 0 for group in ATTENTION_ONLY)
+
+    cfg = _config(tiny_models["deepseek_v3"])
+    per_token = cfg["num_hidden_layers"] * cfg["hidden_size"] * 4
+    tokens = ffn_metrics[("afd_ffn_tokens", "ffn", "0")]
+    assert ffn_metrics[("afd_a2f_bytes", "ffn", "0")] == tokens * per_token

@@ -1,0 +1,565 @@
+"""The report of ``vllm-afd bench``: figures, the terminal table, JSON, plots.
+
+Pure Python (plots need matplotlib, optional). Every figure that compares AFD
+with the baseline is a ratio of two measurements taken in the same run
+(``afd / baseline``). AFD counters are deltas of the Prometheus counters of
+``/metrics`` (see ``vllm_afd/worker/metrics.py``) taken around the workload.
+
+Report layout (``--json``)::
+
+    config      deployment and workload settings
+    model       layers (total, remote), hidden size, dtype
+    workload    input/output length min/median/max
+    afd         run figures: throughput, per device, TTFT, TPOT, latency
+    baseline    the same for plain vLLM (null when not run)
+    counters    AFD counter deltas: totals, per step, per layer, per rank
+    comparison  ratios afd/baseline and greedy agreement
+    overhead    the bench's own cost on the measured throughput
+    requests    per request: lengths, TTFT/TPOT on both, same greedy output
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_afd.cli.bench_workload import RequestResult, RunResult
+
+REPORT_VERSION = 1
+PERCENTILES = (50, 90, 99)
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+COMPARISON_KEYS = (
+    "throughput_ratio",
+    "throughput_per_device_ratio",
+    *(f"{m}_p{q}_ratio" for m in ("ttft", "tpot", "latency") for q in PERCENTILES),
+    "agreement",
+    "agreeing_requests",
+    "compared_requests",
+)
+
+#: a counter snapshot as returned by ``client.afd_metrics``
+Counters = Mapping[tuple[str, str, str], float]
+
+
+# ------------------------------------------------------------------ figures
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linearly interpolated percentile (as numpy's default); None if empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
+    """min/median/max/mean and p50/p90/p99 of ``values`` times ``scale``."""
+    if not values:
+        return {"count": 0}
+    xs = [v * scale for v in values]
+    out: dict[str, Any] = {
+        "count": len(xs),
+        "min": min(xs),
+        "median": statistics.median(xs),
+        "max": max(xs),
+        "mean": statistics.fmean(xs),
+    }
+    out.update({f"p{q}": percentile(xs, q) for q in PERCENTILES})
+    return out
+
+
+def run_figures(run: RunResult) -> dict[str, Any]:
+    ok = run.ok
+    return {
+        "requests": len(run.requests),
+        "failed": len(run.requests) - len(ok),
+        "errors": sorted({r.error for r in run.requests if r.error})[:5],
+        "duration_s": run.duration_s,
+        "output_tokens": run.output_tokens,
+        "output_throughput": run.throughput,
+        "devices": run.devices,
+        "throughput_per_device": run.throughput / run.devices,
+        "ttft_ms": distribution([r.ttft_s for r in ok if r.ttft_s is not None], 1e3),
+        "tpot_ms": distribution([r.tpot_s for r in ok if r.tpot_s is not None], 1e3),
+        "latency_ms": distribution([r.latency_s for r in ok], 1e3),
+        "client_cpu_s": run.client_cpu_s,
+    }
+
+
+def counter_delta(
+    before: Counters, after: Counters
+) -> dict[tuple[str, str, str], float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _ranks(delta: Counters, role: str) -> list[str]:
+    return sorted({k[2] for k in delta if k[1] == role}, key=lambda r: int(r or 0))
+
+
+def _per(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def counter_figures(
+    delta: Counters,
+    layers_remote: int | None,
+    bytes_per_token_layer: int | None,
+    duration_s: float | None = None,
+) -> dict[str, Any]:
+    """AFD counter deltas as totals, per step, per layer and per rank.
+
+    Run-wide figures sum the ranks of a role; ``duration_s`` (the workload's
+    wall time) gives the wall time per attention step.
+    """
+
+    def get(name: str, role: str, rank: str | None = None) -> float:
+        return sum(
+            (
+                v
+                for (n, ro, ra), v in delta.items()
+                if n == name and ro == role and rank in (None, ra)
+            ),
+            0.0,
+        )
+
+    steps = get("afd_steps", "attention")
+    ffn_steps = get("afd_steps", "ffn")
+    tokens = get("afd_ffn_tokens", "ffn")
+    a2f, f2a = get("afd_a2f_bytes", "attention"), get("afd_f2a_bytes", "attention")
+    out: dict[str, Any] = {
+        "attention_steps": steps,
+        "ffn_steps": ffn_steps,
+        "tokens_through_ffn": tokens,
+        "a2f_bytes": a2f,
+        "f2a_bytes": f2a,
+        "a2f_bytes_per_step": _per(a2f, steps),
+        "f2a_bytes_per_step": _per(f2a, steps),
+        "a2f_bytes_per_layer_step": _per(a2f, steps * (layers_remote or 0)),
+        "f2a_bytes_per_layer_step": _per(f2a, steps * (layers_remote or 0)),
+        "a2f_bytes_per_token_layer": _per(a2f, tokens * (layers_remote or 0)),
+        "expected_a2f_bytes_per_token_layer": bytes_per_token_layer,
+        "batch_tokens_per_step": _per(tokens, ffn_steps),
+        "connector_wait_ms_per_step": _per(
+            get("afd_connector_wait_seconds", "attention") * 1e3, steps
+        ),
+        "ffn_connector_wait_ms_per_step": _per(
+            get("afd_connector_wait_seconds", "ffn") * 1e3, ffn_steps
+        ),
+        "ffn_compute_ms_per_step": _per(
+            get("afd_ffn_compute_seconds", "ffn") * 1e3, ffn_steps
+        ),
+        "errors": get("afd_errors", "attention") + get("afd_errors", "ffn"),
+        "wall_ms_per_step": _per((duration_s or 0.0) * 1e3, steps),
+        "per_rank": [],
+    }
+    per_token = (layers_remote or 0) * (bytes_per_token_layer or 0)
+    for role in ("attention", "ffn"):
+        for rank in _ranks(delta, role):
+            n = get("afd_steps", role, rank)
+            # FFN ranks count tokens; attention ranks' tokens follow from bytes.
+            tokens = (
+                get("afd_ffn_tokens", role, rank)
+                if role == "ffn"
+                else _per(get("afd_a2f_bytes", role, rank), per_token)
+            )
+            compute = get("afd_ffn_compute_seconds", role, rank) * 1e3
+            out["per_rank"].append(
+                {
+                    "role": role,
+                    "rank": int(rank or 0),
+                    "steps": n,
+                    "batch_tokens_per_step": None
+                    if tokens is None
+                    else _per(tokens, n),
+                    "a2f_bytes_per_step": _per(get("afd_a2f_bytes", role, rank), n),
+                    "f2a_bytes_per_step": _per(get("afd_f2a_bytes", role, rank), n),
+                    "connector_wait_ms_per_step": _per(
+                        get("afd_connector_wait_seconds", role, rank) * 1e3, n
+                    ),
+                    "ffn_compute_ms_per_step": _per(compute, n)
+                    if role == "ffn"
+                    else None,
+                }
+            )
+    return out
+
+
+def comparison(
+    afd: RunResult, baseline: RunResult | None, afd_fig: dict, base_fig: dict | None
+) -> dict[str, Any]:
+    """Ratios afd/baseline, side by side from this run, and greedy agreement.
+
+    Without a baseline every key is present and None.
+    """
+    if baseline is None or base_fig is None:
+        return dict.fromkeys(COMPARISON_KEYS)
+    out: dict[str, Any] = {
+        "throughput_ratio": _per(afd.throughput, baseline.throughput),
+        "throughput_per_device_ratio": _per(
+            afd_fig["throughput_per_device"], base_fig["throughput_per_device"]
+        ),
+    }
+    for metric in ("ttft_ms", "tpot_ms", "latency_ms"):
+        for q in PERCENTILES:
+            a, b = afd_fig[metric].get(f"p{q}"), base_fig[metric].get(f"p{q}")
+            out[f"{metric[:-3]}_p{q}_ratio"] = _per(a, b)
+    base = {r.index: r for r in baseline.ok}
+    pairs = [(r, base[r.index]) for r in afd.ok if r.index in base]
+    same = sum(_same(a, b) for a, b in pairs)
+    out.update(
+        agreement=_per(same, len(afd.requests)),
+        agreeing_requests=same,
+        compared_requests=len(pairs),
+    )
+    return out
+
+
+def overhead_figures(
+    stream: RunResult | None, plain: RunResult | None
+) -> dict[str, Any] | None:
+    """The cost of per-token streaming measurement on one server's throughput.
+
+    ``throughput_overhead`` = 1 - streamed / plain throughput of the same
+    requests on the same server (negative: within noise).
+    """
+    if stream is None or plain is None:
+        return None
+    return {
+        "server": stream.name,
+        "streamed_throughput": stream.throughput,
+        "plain_throughput": plain.throughput,
+        "throughput_overhead": 1.0 - stream.throughput / plain.throughput
+        if plain.throughput
+        else None,
+        "client_cpu_s_streamed": stream.client_cpu_s,
+        "client_cpu_s_plain": plain.client_cpu_s,
+        "client_cpu_share_streamed": _per(stream.client_cpu_s, stream.duration_s),
+    }
+
+
+def build_report(
+    config: dict[str, Any],
+    model: dict[str, Any],
+    afd: RunResult,
+    baseline: RunResult | None,
+    delta: Counters,
+    overhead: dict[str, Any] | None,
+    lengths: Sequence[tuple[int, int]],
+) -> dict[str, Any]:
+    """The whole report; ``lengths`` are the (input, output) lengths drawn."""
+    afd_fig = run_figures(afd)
+    base_fig = run_figures(baseline) if baseline is not None else None
+    counters = counter_figures(
+        delta,
+        model.get("num_remote_layers"),
+        model.get("a2f_bytes_per_token_layer"),
+        afd.duration_s,
+    )
+    return {
+        "version": REPORT_VERSION,
+        "config": config,
+        "model": model,
+        "workload": {
+            "input_len": distribution([n for n, _ in lengths]),
+            "output_len": distribution([n for _, n in lengths]),
+        },
+        "afd": afd_fig,
+        "baseline": base_fig,
+        "counters": counters,
+        "comparison": comparison(afd, baseline, afd_fig, base_fig),
+        "overhead": overhead,
+        "requests": per_request(afd, baseline),
+    }
+
+
+def per_request(afd: RunResult, baseline: RunResult | None) -> list[dict[str, Any]]:
+    """One row per request: lengths, times (ms) on both servers, same output."""
+    base = {r.index: r for r in baseline.requests} if baseline is not None else {}
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else value * 1e3
+
+    rows = []
+    for a in afd.requests:
+        b = base.get(a.index)
+        rows.append(
+            {
+                "index": a.index,
+                "input_len": a.input_len,
+                "output_len": a.output_len,
+                "afd_ttft_ms": ms(a.ttft_s),
+                "afd_tpot_ms": ms(a.tpot_s),
+                "baseline_ttft_ms": ms(b.ttft_s) if b else None,
+                "baseline_tpot_ms": ms(b.tpot_s) if b else None,
+                "same_output": None if b is None else _same(a, b),
+                "error": a.error or (b.error if b else None),
+            }
+        )
+    return rows
+
+
+def _same(a: RequestResult, b: RequestResult) -> bool:
+    return (
+        a.error is None
+        and b.error is None
+        and bool(a.token_ids)
+        and (a.token_ids == b.token_ids)
+    )
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+
+
+# -------------------------------------------------------------------- table
+def _num(value: Any, fmt: str = ",.1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _pct(fraction: float | None, fmt: str) -> str:
+    return "-" if fraction is None else f"{format(fraction * 100, fmt)}%"
+
+
+def _minmedmax(dist: dict[str, Any]) -> str:
+    if not dist.get("count"):
+        return "-"
+    return f"{dist['min']:g}/{dist['median']:g}/{dist['max']:g}"
+
+
+def _headline(report: dict[str, Any]) -> list[str]:
+    cfg, model, work = report["config"], report["model"], report["workload"]
+    pace = []
+    if cfg.get("request_rate"):
+        pace.append(f"Poisson arrivals {cfg['request_rate']:g} req/s")
+    if cfg.get("concurrency"):
+        pace.append(f"concurrency {cfg['concurrency']}")
+    layers = model.get("remote_layers")
+    return [
+        f"vllm-afd bench: AFD {cfg['deployment']} (A:F {cfg['af_ratio']}, "
+        f"{cfg.get('connector') or '?'}) vs plain vLLM -- {model.get('name')}",
+        f"workload: {cfg['num_requests']} requests, {', '.join(pace)}, "
+        f"seed {cfg['seed']}; "
+        f"input len {_minmedmax(work['input_len'])}, output len "
+        f"{_minmedmax(work['output_len'])} (min/median/max)",
+        f"layers: {model.get('num_remote_layers', '?')} of "
+        f"{model.get('num_hidden_layers', '?')} remote "
+        f"{list(layers) if layers is not None else ''}, hidden "
+        f"{model.get('hidden_size', '?')}, {model.get('dtype', '?')}",
+    ]
+
+
+def _run_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    afd, base = report["afd"], report["baseline"] or {}
+    cmp_ = report["comparison"]
+    ratio = cmp_.get
+
+    def pair(key: str, fmt: str = ",.1f") -> tuple[str, str]:
+        return _num(afd.get(key), fmt), _num(base.get(key), fmt)
+
+    rows = [
+        (
+            "requests ok",
+            f"{afd['requests'] - afd['failed']}/{afd['requests']}",
+            f"{base['requests'] - base['failed']}/{base['requests']}" if base else "-",
+            "",
+        ),
+        ("devices (role processes)", *pair("devices", "d"), ""),
+        (
+            "output throughput (tok/s)",
+            *pair("output_throughput"),
+            _num(ratio("throughput_ratio"), ".3f"),
+        ),
+        (
+            "  per device (tok/s)",
+            *pair("throughput_per_device"),
+            _num(ratio("throughput_per_device_ratio"), ".3f"),
+        ),
+    ]
+    for metric, label in (("ttft", "TTFT"), ("tpot", "TPOT")):
+        for q in PERCENTILES:
+            rows.append(
+                (
+                    f"{label} p{q} (ms)",
+                    _num(afd[f"{metric}_ms"].get(f"p{q}"), ",.2f"),
+                    _num(base.get(f"{metric}_ms", {}).get(f"p{q}"), ",.2f"),
+                    _num(ratio(f"{metric}_p{q}_ratio"), ".3f"),
+                )
+            )
+    if base:
+        rows.append(
+            (
+                "greedy output = baseline",
+                "",
+                "",
+                f"{cmp_['agreeing_requests']}/{afd['requests']} = "
+                f"{cmp_['agreement']:.3f}",
+            )
+        )
+    return rows
+
+
+def _counter_lines(c: dict[str, Any]) -> list[str]:
+    lines = [
+        "AFD counters (deltas over the workload; per attention step unless noted)",
+        f"  steps                 attention {c['attention_steps']:,.0f}, "
+        f"ffn {c['ffn_steps']:,.0f}; tokens through FFN "
+        f"{c['tokens_through_ffn']:,.0f}",
+        f"  batch (tokens/step)   {_num(c['batch_tokens_per_step'])} (FFN)",
+        f"  A2F bytes / step      {_num(c['a2f_bytes_per_step'], ',.0f')}  "
+        f"per layer {_num(c['a2f_bytes_per_layer_step'], ',.0f')}  "
+        f"per token-layer {_num(c['a2f_bytes_per_token_layer'], ',.1f')} "
+        f"(expected {_num(c['expected_a2f_bytes_per_token_layer'], 'd')})",
+        f"  F2A bytes / step      {_num(c['f2a_bytes_per_step'], ',.0f')}  "
+        f"per layer {_num(c['f2a_bytes_per_layer_step'], ',.0f')}",
+        f"  connector wait / step {_num(c['connector_wait_ms_per_step'], '.3f')} ms "
+        f"(attention, for F2A), {_num(c['ffn_connector_wait_ms_per_step'], '.3f')}"
+        " ms (FFN, for A2F)",
+        f"  FFN compute / step    {_num(c['ffn_compute_ms_per_step'], '.3f')} ms",
+        f"  wall time / step      {_num(c['wall_ms_per_step'], '.3f')} ms "
+        "(workload duration / attention steps)",
+        f"  errors                {c['errors']:.0f}",
+        "  per rank:",
+    ]
+    for r in c["per_rank"]:
+        line = (
+            f"    {r['role']:9s} {r['rank']}: steps {r['steps']:,.0f}, batch "
+            f"{_num(r['batch_tokens_per_step'])} tok/step, wait "
+            f"{_num(r['connector_wait_ms_per_step'], '.3f')} ms/step"
+        )
+        if r["ffn_compute_ms_per_step"] is not None:
+            line += f", compute {r['ffn_compute_ms_per_step']:.3f} ms/step"
+        lines.append(line)
+    return lines
+
+
+def _overhead_line(o: dict[str, Any] | None) -> list[str]:
+    if not o:
+        return ["bench overhead: not measured (no baseline, or --skip-overhead)"]
+    return [
+        f"bench overhead ({o['server']}): per-token streaming measurement costs "
+        f"{_pct(o['throughput_overhead'], '+.1f')} of output "
+        f"throughput (streamed {o['streamed_throughput']:,.1f} vs plain "
+        f"{o['plain_throughput']:,.1f} tok/s); client CPU "
+        f"{o['client_cpu_s_streamed']:.2f} s = "
+        f"{_pct(o['client_cpu_share_streamed'], '.1f')} of one core",
+    ]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a terminal table."""
+    name = f"AFD {report['config']['deployment']}"
+    rows = [("", name, "baseline", "AFD/baseline"), *_run_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    body = [
+        f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  "
+        f"{r[3]:>{widths[3]}}".rstrip()
+        for r in rows
+    ]
+    return "\n".join(
+        [
+            *_headline(report),
+            "",
+            *body,
+            "",
+            *_counter_lines(report["counters"]),
+            "",
+            *_overhead_line(report["overhead"]),
+        ]
+    )
+
+
+# -------------------------------------------------------------------- plots
+def _paired(ax: Any, title: str, labels: list[str], series: list, names: list) -> None:
+    """Bars per label, one per run; AFD/baseline ratio written above a pair."""
+    width = 0.8 / len(series)
+    for i, (values, name) in enumerate(zip(series, names, strict=True)):
+        xs = [x - 0.4 + width * (i + 0.5) for x in range(len(labels))]
+        ax.bar(xs, [v or 0.0 for v in values], width, label=name)
+    if len(series) == 2:
+        for x, (a, b) in enumerate(zip(*series, strict=True)):
+            if a and b:
+                top = max(a, b)
+                ax.text(x, top * 1.02, f"x{a / b:.2f}", ha="center", va="bottom")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.15)
+
+
+def _step_panel(ax: Any, c: dict[str, Any], name: str) -> None:
+    parts = [
+        ("FFN: wait for A2F", c["ffn_connector_wait_ms_per_step"]),
+        ("FFN: compute", c["ffn_compute_ms_per_step"]),
+        ("attention: wait for F2A", c["connector_wait_ms_per_step"]),
+        ("wall time / step", c["wall_ms_per_step"]),
+    ]
+    values = [v or 0.0 for _, v in parts]
+    ax.barh([p for p, _ in parts], values, color=["C2", "C2", "C0", "C7"])
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.1f}", va="center")
+    ax.margins(x=0.15)
+    ax.set_title(
+        f"{name} per step (ms): batch {_num(c['batch_tokens_per_step'])} tokens, "
+        f"A2F {_num((c['a2f_bytes_per_step'] or 0) / 1024)} KiB",
+        fontsize=10,
+    )
+
+
+def plot_report(report: dict[str, Any], out_dir: str | Path) -> Path | None:
+    """Write ``bench.png``: latency, throughput, AFD step time (needs matplotlib).
+
+    Returns the path, or None when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cfg, afd, base = report["config"], report["afd"], report["baseline"]
+    name = f"AFD {cfg['deployment']}"
+    runs = [(name, afd)] + ([("plain vLLM", base)] if base else [])
+    names = [n for n, _ in runs]
+    pct = [f"p{q}" for q in PERCENTILES]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, key, title in (
+        (axes[0][0], "ttft_ms", "TTFT (ms, lower is better)"),
+        (axes[0][1], "tpot_ms", "TPOT (ms, lower is better)"),
+    ):
+        _paired(ax, title, pct, [[r[key].get(k) for k in pct] for _, r in runs], names)
+    keys = ("output_throughput", "throughput_per_device")
+    _paired(
+        axes[1][0],
+        "output throughput (tokens/s, higher is better)",
+        ["total", "per device"],
+        [[r[k] for k in keys] for _, r in runs],
+        names,
+    )
+    _step_panel(axes[1][1], report["counters"], name)
+    work, cmp_ = report["workload"], report["comparison"]
+    fig.suptitle(
+        f"vllm-afd bench: {name} (A:F {cfg['af_ratio']}) vs plain vLLM; "
+        f"{cfg['num_requests']} requests, input len {_minmedmax(work['input_len'])}, "
+        f"output len {_minmedmax(work['output_len'])} (min/median/max)\n"
+        f"vllm serve {' '.join(cfg.get('vllm_args') or [])}\n"
+        f"throughput ratio {_num(cmp_.get('throughput_ratio'), '.2f')}, "
+        f"greedy output = baseline for {_num(cmp_.get('agreement'), '.0%')} of "
+        "requests; x = AFD / baseline",
+        fontsize=10,
+    )
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.925), ncol=2)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
