@@ -1,0 +1,55 @@
+"""Unit tests for the per-role step profiler (vllm_afd.worker.profiling)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from vllm_afd import envs
+from vllm_afd.worker.profiling import StepProfiler
+
+
+def _work() -> None:
+    torch.randn(16, 16) @ torch.randn(16, 16)
+
+
+def _trace_steps(path) -> list[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted({e["name"] for e in events if "afd_ffn_step#" in e.get("name", "")})
+
+
+def test_step_profiler_off_without_profile_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv(envs.AFD_PROFILE_DIR, raising=False)
+    prof = StepProfiler("attention", 0)
+    for _ in range(3):
+        prof.step()
+    prof.close()
+    assert not prof.enabled and prof.path is None
+
+
+def test_step_profiler_records_n_steps_then_exports_chrome_trace(monkeypatch, tmp_path):
+    monkeypatch.setenv(envs.AFD_PROFILE_DIR, str(tmp_path / "traces"))
+    monkeypatch.setenv(envs.AFD_PROFILE_STEPS, "3")
+    prof = StepProfiler("ffn", 1)
+    for _ in range(3):
+        prof.step()
+        _work()
+    assert prof.enabled and not (tmp_path / "traces").exists()
+    prof.step()  # closes step 3: exports
+    assert not prof.enabled
+    path = tmp_path / "traces" / f"ffn-rank1-pid{os.getpid()}.json"
+    assert prof.path == path
+    assert _trace_steps(path) == ["afd_ffn_step#0", "afd_ffn_step#1", "afd_ffn_step#2"]
+    prof.step()  # later calls are no-ops
+    prof.close()
+
+
+def test_step_profiler_close_exports_partial_trace_after_skip(tmp_path):
+    prof = StepProfiler("ffn", 0, out_dir=tmp_path, steps=10, skip=2)
+    for _ in range(4):  # 2 skipped, 2 recorded
+        prof.step()
+        _work()
+    prof.close()
+    assert _trace_steps(prof.path) == ["afd_ffn_step#0", "afd_ffn_step#1"]
