@@ -1,0 +1,116 @@
+"""The launcher's process layout and the CLI's argument handling (no servers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_afd.cli import main as cli
+from vllm_afd.cli.launch import (
+    CPU_COMPILATION_CONFIG,
+    DeploymentSpec,
+    role_processes,
+)
+from vllm_afd.config import parse_afd_config
+
+
+def _afd(proc) -> dict:
+    argv = proc.argv
+    return json.loads(argv[argv.index("--additional-config") + 1])["afd"]
+
+
+def test_role_processes_2a2f_one_server_per_ffn_rank_and_dp_attention() -> None:
+    spec = DeploymentSpec(
+        model="m",
+        attention_ranks=2,
+        ffn_ranks=2,
+        port=9000,
+        afd_port=30000,
+        vllm_args=["--dtype", "float32"],
+        ffn_args=["--tensor-parallel-size", "2"],
+        cpu_workaround=False,
+    )
+    procs = role_processes(spec)
+    assert [p.name for p in procs] == ["ffn0", "ffn1", "attention"]
+    assert [p.port for p in procs] == [9001, 9002, 9000]
+    for k, proc in enumerate(procs[:2]):
+        afd = _afd(proc)
+        assert afd["role"] == "ffn" and afd["rank"] == k
+        assert "--data-parallel-size" not in proc.argv
+        assert proc.argv[-4:-2] == ["--tensor-parallel-size", "2"]
+        parse_afd_config(afd)  # every generated config is valid
+    attention = procs[2]
+    assert "rank" not in _afd(attention)
+    dp = attention.argv.index("--data-parallel-size")
+    assert attention.argv[dp + 1] == "2"
+    assert "--tensor-parallel-size" not in attention.argv
+    assert all(p.argv[-2:] == ["--dtype", "float32"] for p in procs)
+    assert all(_afd(p)["port"] == 30000 for p in procs)
+
+
+def test_role_processes_1a1f_adds_cpu_workaround_unless_user_sets_compilation() -> None:
+    spec = DeploymentSpec(model="m", cpu_workaround=True)
+    procs = role_processes(spec)
+    assert [p.name for p in procs] == ["ffn", "attention"]
+    for proc in procs:
+        assert proc.argv[-1] == CPU_COMPILATION_CONFIG
+        assert "rank" not in _afd(proc)
+    spec.vllm_args = ["--compilation-config", "{}"]
+    assert all(CPU_COMPILATION_CONFIG not in p.argv for p in role_processes(spec))
+
+
+def test_role_processes_do_not_leak_server_pid_to_children(monkeypatch) -> None:
+    monkeypatch.setenv("AFD_SERVER_PID", "1")
+    for proc in role_processes(DeploymentSpec(model="m", cpu_workaround=False)):
+        assert "AFD_SERVER_PID" not in proc.env
+
+
+def test_main_launch_options_after_model_and_vllm_args_after_double_dash(
+    monkeypatch,
+) -> None:
+    seen = {}
+
+    def fake_launch(args) -> int:
+        seen["a"] = args
+        return 0
+
+    monkeypatch.setattr(cli, "build_parser", _parser_with(fake_launch))
+    assert (
+        cli.main(
+            [
+                "launch",
+                "MODEL",
+                "--port",
+                "8100",
+                "-A",
+                "2",
+                "--",
+                "--port",
+                "1",
+                "-tp",
+                "2",
+            ]
+        )
+        == 0
+    )
+    args = seen["a"]
+    assert (args.model, args.port, args.attention_ranks) == ("MODEL", 8100, 2)
+    assert args.vllm_args == ["--port", "1", "-tp", "2"]
+
+
+def _parser_with(func):
+    original = cli.build_parser
+
+    def build():
+        parser = original()
+        for action in parser._subparsers._group_actions:
+            action.choices["launch"].set_defaults(func=func)
+        return parser
+
+    return build
+
+
+def test_main_rejects_vllm_args_for_commands_without_them() -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["tiny-model", "out", "--", "--dtype", "float32"])
