@@ -191,26 +191,32 @@ def test_create_engine_config_bad_afd_config_raises_config_error(
         _engine_args(checkpoint, afd).create_engine_config()
 
 
-@pytest.mark.parametrize(
-    ("afd", "key", "expected"),
-    [
-        ({"role": "attention", "num_attention_ranks": 2}, "num_attention_ranks", 2),
-        (
-            {"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2},
-            "num_ffn_ranks",
-            2,
-        ),
-    ],
-)
-def test_create_engine_config_dp_size_mismatch_raises_config_error(
-    checkpoint: Path, afd: dict[str, Any], key: str, expected: int
+def test_create_engine_config_attention_dp_size_mismatch_raises_config_error(
+    checkpoint: Path,
 ) -> None:
+    afd = {"role": "attention", "num_attention_ranks": 2}
     with pytest.raises(AFDConfigError) as info:
         _engine_args(checkpoint, afd, data_parallel_size=1).create_engine_config()
     message = str(info.value)
-    assert f"afd.{key}={expected}" in message
+    assert "afd.num_attention_ranks=2" in message
     assert "data_parallel_size=1" in message
-    assert f"--data-parallel-size {expected}" in message
+    assert "--data-parallel-size 2" in message
+
+
+def test_create_engine_config_data_parallel_ffn_role_raises_config_error(
+    checkpoint: Path,
+) -> None:
+    afd = {"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2, "rank": 1}
+    with pytest.raises(AFDConfigError, match=r"one vllm serve per FFN rank") as info:
+        _engine_args(checkpoint, afd, data_parallel_size=2).create_engine_config()
+    assert "data_parallel_size=2" in str(info.value)
+
+
+def test_create_engine_config_ffn_rank_selects_ffn_worker(checkpoint: Path) -> None:
+    afd = {"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 2, "rank": 1}
+    config = _engine_args(checkpoint, afd).create_engine_config()
+    assert config.parallel_config.worker_cls == AFD_CPU_FFN_WORKER
+    assert config.additional_config["afd"]["rank"] == 1
 
 
 def test_create_engine_config_stored_registration_error_raises_for_afd_only(

@@ -98,11 +98,14 @@ class FFNSideMixin:
                 routing = None
                 if afd.compute_gate_on_attention:
                     k = hf.num_experts_per_tok
+                    device = self.device  # type: ignore[attr-defined]
                     routing = Routing(
-                        topk_weights=torch.full((num_tokens, k), 1.0 / k),
-                        topk_ids=torch.arange(k, dtype=torch.int32).repeat(
-                            num_tokens, 1
+                        topk_weights=torch.full(
+                            (num_tokens, k), 1.0 / k, device=device
                         ),
+                        topk_ids=torch.arange(
+                            k, dtype=torch.int32, device=device
+                        ).repeat(num_tokens, 1),
                     )
                 self._afd_compute(layer_idx, A2FBatch(hidden=hidden, routing=routing))
         logger.info(

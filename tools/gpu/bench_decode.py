@@ -1,0 +1,195 @@
+"""Decode throughput: AFD 1A1F on two GPUs vs plain vLLM TP2 on the same two.
+
+DeepSeek-V2-Lite shapes (27 layers, hidden 2048, 64 routed experts top-6,
+2 shared) with ``--load-format dummy``: a config-only model directory (plus
+the tiny local tokenizer, whose small vocabulary replaces V2-Lite's 102400:
+a smaller lm_head), no weights. For each batch size B, B concurrent
+requests of ``--input-len`` prompt tokens and ``--output-len`` greedy new
+tokens (``ignore_eos``); reported: output tokens/s and the mean time per
+decode step. Both run ``--enforce-eager`` unless told otherwise.
+
+    python tools/gpu/bench_decode.py --out bench.json [--batches 16,32,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from vllm_afd.cli.client import post_json, served_model
+from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
+from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+#: DeepSeek-V2-Lite's published shapes
+V2_LITE = {
+    "num_hidden_layers": 27,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "max_position_embeddings": 4096,
+}
+
+
+def write_v2_lite_config(out: Path) -> Path:
+    """A DeepSeek-V2-Lite-shaped model directory for ``--load-format dummy``."""
+    write_tiny_checkpoint(
+        out, arch="deepseek_v2", num_layers=2, gpu_dims=True, dtype="bfloat16"
+    )
+    (out / "model.safetensors").unlink()
+    config = json.loads((out / "config.json").read_text())
+    config.update(V2_LITE)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def on_devices(process: object, devices: str) -> None:
+    env = dict(process.env)  # type: ignore[attr-defined]
+    env["CUDA_VISIBLE_DEVICES"] = devices
+    env.setdefault("NCCL_DEBUG", "INFO")  # the log shows the NCCL transport
+    process.env = env  # type: ignore[attr-defined]
+
+
+def one_request_each(url: str, model: str, batch: int, args: argparse.Namespace):
+    # B separate requests in flight (the scheduler batches them), timed as one.
+    def one(i: int) -> int:
+        body = {
+            "model": model,
+            "prompt": [5 + (i * 7 + j) % 200 for j in range(args.input_len)],
+            "max_tokens": args.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        return post_json(f"{url}/v1/completions", body, timeout=600)["usage"][
+            "completion_tokens"
+        ]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        tokens = sum(pool.map(one, range(batch)))
+    wall = time.perf_counter() - start
+    return {
+        "batch": batch,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "ms_per_step": 1e3 * wall / args.output_len,
+    }
+
+
+def measure(url: str, args: argparse.Namespace, label: str) -> list[dict]:
+    model = served_model(url)
+    one_request_each(url, model, 4, args)  # warm-up
+    rows = []
+    for batch in args.batches:
+        row = one_request_each(url, model, batch, args)
+        row["setup"] = label
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON report")
+    p.add_argument("--log", help="servers' logs")
+    p.add_argument("--batches", default="16,32,64,128,256")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--cuda-graphs", action="store_true", help="drop --enforce-eager")
+    p.add_argument("--skip-afd", action="store_true")
+    p.add_argument("--skip-plain", action="store_true")
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    model_dir = write_v2_lite_config(Path(tempfile.mkdtemp()) / "v2-lite")
+    common = [
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(args.input_len + args.output_len + 16),
+        "--max-num-seqs",
+        str(max(args.batches)),
+        "--gpu-memory-utilization",
+        "0.5",
+    ]
+    if not args.cuda_graphs:
+        common.append("--enforce-eager")
+    log = open(args.log, "w") if args.log else sys.stdout  # noqa: SIM115
+    report = {
+        "model": "DeepSeek-V2-Lite shapes, dummy weights",
+        "args": common,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "rows": [],
+    }
+    port = 8600
+    spec = DeploymentSpec(
+        model=str(model_dir),
+        port=port,
+        ffn_port=port + 1,
+        afd_port=port + 10,
+        vllm_args=common,
+    )
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+    if not args.skip_afd:
+        afd = Deployment(spec, log=log)
+        on_devices(afd.attention, "0")
+        on_devices(afd.ffn, "1")
+        try:
+            afd.start(ready_timeout=400)
+            report["rows"] += measure(afd.api_url, args, "afd-1a1f")
+        finally:
+            afd.stop()
+        save()
+    if not args.skip_plain:
+        tp2 = DeploymentSpec(
+            model=str(model_dir),
+            port=port,
+            vllm_args=[*common, "--tensor-parallel-size", "2"],
+        )
+        plain = PlainServer(tp2, log=log)
+        on_devices(plain.process, "0,1")
+        try:
+            plain.start(ready_timeout=400)
+            report["rows"] += measure(plain.url, args, "plain-tp2")
+        finally:
+            plain.stop()
+        save()
+    for row in report["rows"]:
+        print(
+            f"{row['setup']:>10} B={row['batch']:>4} {row['tok_per_s']:9.1f} tok/s "
+            f"{row['ms_per_step']:7.2f} ms/step"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    raise SystemExit(main())

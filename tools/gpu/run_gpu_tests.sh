@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Run vllm-afd's GPU tests and GPU benchmarks on a host with 2+ CUDA GPUs
+# where vLLM 0.32.0 (CUDA build) is importable. Writes JSON and logs to OUTDIR.
+#
+#   tools/gpu/run_gpu_tests.sh OUTDIR [--target DIR] [--no-bench | --bench-only]
+#
+#   --target DIR   install the project into DIR (pip --target; DIR must be on
+#                  PYTHONPATH) instead of the current environment
+#   --no-bench     tests only;  --bench-only  benchmarks only
+#
+# OUTDIR receives: pytest.log, junit.xml, results.json (tests), bench.json and
+# bench_servers.log (benchmarks), server_logs.tgz (every role's server log).
+set -uo pipefail
+
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || usage
+OUT=$1; shift
+TARGET=""; RUN_TESTS=1; RUN_BENCH=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --target) TARGET=$2; shift 2 ;;
+    --no-bench) RUN_BENCH=0; shift ;;
+    --bench-only) RUN_TESTS=0; shift ;;
+    *) usage ;;
+  esac
+done
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT" || exit 1
+
+python3 - <<'PY' || { echo "vLLM for CUDA with 2 GPUs is required" >&2; exit 1; }
+import torch, vllm
+from vllm.platforms import current_platform
+print(f"vllm {vllm.__version__}, torch {torch.__version__}, "
+      f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+assert current_platform.is_cuda() and torch.cuda.device_count() >= 2
+PY
+
+PIP=(python3 -m pip install -q --no-deps --no-build-isolation)
+[ -n "$TARGET" ] && PIP+=(--target "$TARGET" --upgrade)
+"${PIP[@]}" . || { echo "installing vllm-afd failed" >&2; exit 1; }
+python3 - <<'PY' || exit 1
+from importlib.metadata import entry_points
+names = [e.value for e in entry_points(group="vllm.general_plugins")]
+assert "vllm_afd:register" in names, f"plugin entry point not visible: {names}"
+print("plugin entry point: vllm_afd:register")
+PY
+
+TMP=$(mktemp -d)
+rc=0
+if [ $RUN_TESTS = 1 ]; then
+  python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider --basetemp="$TMP/pytest" \
+    --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
+  rc=${PIPESTATUS[0]}
+  python3 - "$OUT" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+out = sys.argv[1]
+cases = []
+for case in ET.parse(f"{out}/junit.xml").iter("testcase"):
+    status = "passed"
+    for tag in ("failure", "error", "skipped"):
+        if case.find(tag) is not None:
+            status = {"failure": "failed", "error": "error"}.get(tag, tag)
+    cases.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                  "status": status, "seconds": float(case.get("time", 0))})
+json.dump({"tests": cases}, open(f"{out}/results.json", "w"), indent=2)
+PY
+fi
+if [ $RUN_BENCH = 1 ]; then
+  python3 tools/gpu/bench_decode.py --out "$OUT/bench.json" \
+    --log "$OUT/bench_servers.log" || rc=1
+fi
+(cd "$TMP" && find . -name '*.log' -print0 | tar czf "$OUT/server_logs.tgz" --null -T -)
+rm -rf "$TMP"
+exit $rc
