@@ -10,8 +10,6 @@ lifetimes.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from harness import (
     Deployment,
@@ -22,9 +20,8 @@ from harness import (
     prompts,
     run_workload,
     served_model,
+    settled_metrics,
 )
-
-from vllm_afd.cli.client import afd_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -38,21 +35,6 @@ CASES = [
 
 #: fp32 logprobs must agree to float rounding; bf16 to its own resolution
 ATOL = {"float32": 1e-5, "bfloat16": 1e-2}
-
-
-def settled_metrics(afd, timeout: float = 15.0):
-    """Both roles' AFD counters once every step is published on both sides.
-
-    Counters are published every 0.5 s on a thread, so a busy machine may
-    show one role a little behind the other for a moment.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        att, ffn = afd_metrics(afd.api_url), afd_metrics(afd.ffn.url)
-        key_a, key_f = ("afd_steps", "attention", "0"), ("afd_steps", "ffn", "0")
-        if att.get(key_a) == ffn.get(key_f) or time.monotonic() > deadline:
-            return att, ffn
-        time.sleep(0.5)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +53,8 @@ def test_afd_1a1f_greedy_output_equals_plain_vllm(
     try:
         model = served_model(afd.api_url)
         afd_out = run_workload(afd.api_url, model, texts)
-        metrics, ffn_metrics = settled_metrics(afd)
+        metrics = settled_metrics(afd.api_url)
+        ffn_metrics = settled_metrics(afd.ffn.url)
         status, body = http_error(
             f"{afd.ffn.url}/v1/completions",
             {"model": model, "prompt": "hi", "max_tokens": 4},

@@ -41,7 +41,18 @@ def warn_if_not_bit_exact(vllm_config: Any) -> None:
 
 
 class AttentionSideMixin:
-    """Starts the connector after load_model; closes it on shutdown."""
+    """Starts the connector after load_model; closes it on shutdown.
+
+    Mixed in before a native model runner (CPU V1 or CUDA V2).
+    """
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self.afd_start()
+
+    def shutdown(self) -> None:
+        self.afd_close()
+        super().shutdown()  # type: ignore[misc]
 
     afd_endpoint: Endpoint | None = None
     afd_metrics: MetricsPublisher | None = None

@@ -4,12 +4,10 @@ Wraps vllm/v1/worker/cpu_worker.py and cpu_model_runner.py @ 0.32.0 (the V1
 model runner: CPU cannot run V2, which needs Triton). Everything is native
 (scheduler, KV cache, batching, attention, sampling, output) except that the
 runner starts the connector once the role-split model is loaded, and closes
-it on shutdown.
+it on shutdown (:class:`AttentionSideMixin`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -20,14 +18,6 @@ from vllm_afd.worker.runner_swap import CPU_RUNNER, swapped_runner
 
 class AFDCPUAttentionModelRunner(AttentionSideMixin, CPUModelRunner):
     """``CPUModelRunner`` whose model exchanges with the FFN role."""
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
-        self.afd_start()
-
-    def shutdown(self) -> None:
-        self.afd_close()
-        super().shutdown()
 
 
 class AFDCPUAttentionWorker(CPUWorker):

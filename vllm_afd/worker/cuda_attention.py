@@ -8,8 +8,6 @@ connector once the role-split model is loaded, and closes it on shutdown.
 
 from __future__ import annotations
 
-from typing import Any
-
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -29,14 +27,6 @@ def require_v2_runner(worker: Worker) -> None:
 
 class AFDAttentionModelRunner(AttentionSideMixin, GPUModelRunner):
     """V2 ``GPUModelRunner`` whose model exchanges with the FFN role."""
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
-        self.afd_start()
-
-    def shutdown(self) -> None:
-        self.afd_close()
-        super().shutdown()
 
 
 class AFDAttentionWorker(Worker):

@@ -15,20 +15,14 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
-from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
 from vllm_afd.worker.cuda_attention import require_v2_runner
-from vllm_afd.worker.ffn_side import FFNSideMixin
+from vllm_afd.worker.ffn_side import FFNSideMixin, FFNWorkerMixin
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
 
 
 class AFDFFNModelRunner(FFNSideMixin, GPUModelRunner):
     """V2 ``GPUModelRunner`` that runs the FFN loop instead of scheduled steps."""
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
-        self.afd_start()
 
     def _afd_compute(self, layer_idx: int, batch: Any) -> torch.Tensor:
         # The loop runs on its own thread, whose current CUDA device is not
@@ -36,12 +30,8 @@ class AFDFFNModelRunner(FFNSideMixin, GPUModelRunner):
         with torch.cuda.device(self.device):
             return super()._afd_compute(layer_idx, batch)
 
-    def shutdown(self) -> None:
-        self.afd_close()
-        super().shutdown()
 
-
-class AFDFFNWorker(Worker):
+class AFDFFNWorker(FFNWorkerMixin, Worker):
     """GPU ``Worker`` for the FFN role: no KV cache, no sampling, no requests."""
 
     def init_device(self) -> None:
@@ -49,24 +39,8 @@ class AFDFFNWorker(Worker):
         with swapped_runner(CUDA_RUNNER, AFDFFNModelRunner):
             super().init_device()
 
-    def get_kv_cache_spec(self) -> dict:
-        return {}
-
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         # Attention-free: nothing to allocate. The V2 runner's KV-cache set-up
         # (block tables, attention metadata builders, CUDA graph manager)
         # serves scheduled steps only, which the FFN never runs.
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-
-    def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(language_model=0.0, encoder=0.0)
-
-    def get_supported_tasks(self) -> tuple:
-        return ()
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        raise AFDError(FFN_SERVES_NO_REQUESTS)
-
-    def execute_dummy_batch(self) -> None:
-        # Idle data-parallel engines step in lockstep; the FFN has no batch.
-        return None

@@ -18,9 +18,11 @@ from vllm.config import CompilationMode
 from vllm.distributed import get_tp_group
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
 from vllm_afd.connector.payloads import A2FBatch, Routing
+from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.worker.endpoint import Endpoint, open_endpoint
 from vllm_afd.worker.ffn_loop import FFNLoop
@@ -31,8 +33,44 @@ from vllm_afd.worker.tp_relay import TPRelay
 logger = init_logger(__name__)
 
 
+class FFNWorkerMixin:
+    """The FFN role's worker behaviour, before a native worker (CPU or CUDA).
+
+    vLLM's attention-free path: no KV cache (``get_kv_cache_spec`` is
+    ``{}``), no warm-up forward, no generate tasks (the API server registers
+    no completion routes), and scheduler-driven ``execute_model`` refused.
+    """
+
+    def get_kv_cache_spec(self) -> dict:
+        return {}
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple:
+        return ()
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        raise AFDError(FFN_SERVES_NO_REQUESTS)
+
+    def execute_dummy_batch(self) -> None:
+        # Idle data-parallel engines step in lockstep; the FFN has no batch.
+        return None
+
+
 class FFNSideMixin:
-    """Opens the connector and runs the FFN loop after load_model."""
+    """Opens the connector and runs the FFN loop after load_model.
+
+    Mixed in before a native model runner (CPU V1 or CUDA V2).
+    """
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self.afd_start()
+
+    def shutdown(self) -> None:
+        self.afd_close()
+        super().shutdown()  # type: ignore[misc]
 
     afd_endpoint: Endpoint | None = None
     afd_loop: FFNLoop | None = None
