@@ -103,6 +103,14 @@ def test_merge_plans_concatenates_in_peer_order_with_zero_ranks():
     assert m.offsets == ((0, 0), (2, 3), (2, 3))
 
 
+def test_merge_plans_mixes_eager_and_warmup_as_warmup():
+    plans = [StepPlan(3, ExecMode.WARMUP, (1,)), StepPlan(3, ExecMode.EAGER, (5,))]
+    m = merge_plans((0, 1), plans)
+    assert m.mode is ExecMode.WARMUP and m.ubatch_tokens == (6,)
+    with pytest.raises(AFDProtocolError, match="REPLAY"):
+        merge_plans((0, 1), [plans[0], StepPlan(3, ExecMode.REPLAY, (5,))])
+
+
 def test_merge_plans_rejects_disagreeing_peers():
     a = StepPlan(1, ExecMode.EAGER, (1,))
     with pytest.raises(AFDProtocolError, match="rank 1 sent step 2"):

@@ -48,6 +48,11 @@ class MergedPlan:
         return sum(self.ubatch_tokens)
 
 
+def _same_mode(a: ExecMode, b: ExecMode) -> bool:
+    loose = (ExecMode.EAGER, ExecMode.WARMUP)
+    return a == b or (a in loose and b in loose)
+
+
 def _padded(plan: StepPlan, num_ubatches: int) -> tuple[int, ...] | None:
     if len(plan.ubatch_tokens) == num_ubatches:
         return plan.ubatch_tokens
@@ -60,7 +65,9 @@ def merge_plans(peers: tuple[int, ...], plans: list[StepPlan]) -> MergedPlan:
     """Merge the plans of ``peers`` (same order) into one FFN step.
 
     A peer with no tokens may send fewer ubatches (or none); every other peer
-    must agree on the step, the mode and the number of ubatches.
+    must agree on the step, the mode and the number of ubatches. EAGER and
+    WARMUP may mix (an idle data-parallel rank runs a dummy forward while
+    another serves; the merged step is WARMUP); graph modes must agree.
 
     Raises:
         AFDProtocolError: the peers disagree; the message names them.
@@ -68,7 +75,7 @@ def merge_plans(peers: tuple[int, ...], plans: list[StepPlan]) -> MergedPlan:
     assert len(peers) == len(plans) and plans
     first = plans[0]
     for rank, plan in zip(peers, plans, strict=True):
-        if plan.step_id != first.step_id or plan.mode != first.mode:
+        if plan.step_id != first.step_id or not _same_mode(plan.mode, first.mode):
             raise AFDProtocolError(
                 f"attention ranks disagree on the step: rank {peers[0]} sent step "
                 f"{first.step_id} ({first.mode.name}), rank {rank} sent step "
@@ -91,9 +98,10 @@ def merge_plans(peers: tuple[int, ...], plans: list[StepPlan]) -> MergedPlan:
     for t in tokens:
         offsets.append(tuple(running))
         running = [a + b for a, b in zip(running, t, strict=True)]
+    modes = {p.mode for p in plans}
     return MergedPlan(
         step_id=first.step_id,
-        mode=first.mode,
+        mode=ExecMode.WARMUP if ExecMode.WARMUP in modes else first.mode,
         peers=tuple(peers),
         peer_tokens=tuple(tokens),
         ubatch_tokens=totals,
