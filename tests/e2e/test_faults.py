@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from harness import Deployment, LogSink, complete, make_spec, served_model
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 10.0
+LONG = 450  # new tokens: far more than decode in the 2 s before the kill
 
 
 def _start(tiny_models, log):
@@ -36,8 +38,9 @@ def _start(tiny_models, log):
 def _long_request(url: str, model: str, outcome: dict) -> None:
     start = time.monotonic()
     try:
-        complete(url, model, "experts " * 50, 400, stream=True, timeout=120)
-        outcome["result"] = "completed"
+        out = complete(url, model, "experts " * 50, LONG, stream=True, timeout=120)
+        n = len(out.token_ids)
+        outcome["result"] = "completed" if n == LONG else f"failed: {n} tokens"
     except (urllib.error.URLError, OSError, json.JSONDecodeError, KeyError) as exc:
         outcome["result"] = f"failed: {exc!r}"
     outcome["seconds"] = time.monotonic() - start
@@ -56,7 +59,8 @@ def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
         worker.start()
         time.sleep(2.0)
         killed_at = time.monotonic()
-        afd.ffn.proc.send_signal(signal.SIGKILL)
+        # The whole FFN server: API server, engine core and worker processes.
+        os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
         worker.join(TIMEOUT_S + 60)
         assert not worker.is_alive(), "in-flight request hung after the FFN died"
         assert outcome["result"].startswith("failed"), outcome

@@ -7,6 +7,9 @@ per layer and returns each its slice. Greedy output per request does not
 depend on how requests are spread over ranks, so the baseline is one plain
 vLLM engine with the same model and settings (same TP size).
 
+``VLLM_CPU_OMP_THREADS_BIND=0|1`` binds the two TP workers of an engine to
+the two cores (vLLM's automatic binding needs one NUMA node per worker).
+
 All cases use the tiny DeepSeek-V2 in fp32, eager, to keep CI time down.
 """
 
@@ -27,21 +30,24 @@ from vllm_afd.cli.client import afd_metrics
 
 pytestmark = pytest.mark.e2e
 
-# (id, attention ranks, ffn ranks, attention args, ffn args, baseline args)
+TP2 = ["--tensor-parallel-size", "2"]
+
+# (id, attention ranks, ffn ranks, vLLM args of every role and the baseline)
 CASES = [
-    ("2A1F", 2, 1, [], [], []),
-    ("2A2F", 2, 2, [], [], []),
-    ("1A1F-ffn-tp2", 1, 1, [], ["--tensor-parallel-size", "2"], []),
+    ("2A1F", 2, 1, []),
+    ("2A2F", 2, 2, []),
+    # Tensor parallelism on both roles (one connector sender per TP group),
+    # against plain vLLM with the same TP size.
+    ("1A1F-tp2", 1, 1, TP2),
 ]
 
 _plain_outputs: dict[tuple[str, ...], list] = {}
 
 
-def _baseline(tiny_models, spec, baseline_args, texts):
-    key = tuple(baseline_args)
+def _baseline(spec, texts):
+    key = tuple(spec.vllm_args)
     if key not in _plain_outputs:
         plain = PlainServer(spec, log=None)
-        plain.process.argv += baseline_args
         plain.start()
         try:
             _plain_outputs[key] = run_workload(
@@ -52,19 +58,18 @@ def _baseline(tiny_models, spec, baseline_args, texts):
     return _plain_outputs[key]
 
 
-@pytest.mark.parametrize(
-    "name,a,f,attention_args,ffn_args,baseline_args", CASES, ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize("name,a,f,args", CASES, ids=[c[0] for c in CASES])
 def test_topology_greedy_output_equals_plain_vllm(
-    tiny_models, name, a, f, attention_args, ffn_args, baseline_args
+    tiny_models, monkeypatch, name, a, f, args
 ):
+    if "--tensor-parallel-size" in args:
+        # vLLM's CPU workers of one engine need explicit core binding here.
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     spec = make_spec(
         tiny_models["deepseek_v2"],
-        ["--dtype", "float32", "--enforce-eager"],
+        ["--dtype", "float32", "--enforce-eager", *args],
         attention_ranks=a,
         ffn_ranks=f,
-        attention_args=attention_args,
-        ffn_args=ffn_args,
     )
     texts = prompts(16)
     afd = Deployment(spec, log=None)
@@ -77,7 +82,7 @@ def test_topology_greedy_output_equals_plain_vllm(
         ]
     finally:
         afd.stop()
-    plain_out = _baseline(tiny_models, spec, baseline_args, texts)
+    plain_out = _baseline(spec, texts)
     assert_same_outputs(afd_out, plain_out, atol=1e-5)
     # Every FFN rank served steps (each attention rank reaches its FFN rank).
     assert all(steps > 0 for steps in ffn_steps), ffn_steps
