@@ -2,46 +2,39 @@
 
 Build one with :func:`create_connector` and drive it through
 :class:`AFDConnector` (see ``connector.py`` for the call sequence).
+
+Names are imported on first use, so ``vllm_afd.connector.factory`` (what
+config validation asks) loads without torch.
 """
 
 from __future__ import annotations
 
-from vllm_afd.connector.connector import AFDConnector
-from vllm_afd.connector.factory import (
-    canonical_name,
-    create_connector,
-    registered_names,
-    validate_extra_config,
-)
-from vllm_afd.connector.payloads import (
-    A2FBatch,
-    ConnectorStats,
-    RecvHandle,
-    Routing,
-    SendHandle,
-)
-from vllm_afd.connector.plan import MergedPlan
-from vllm_afd.connector.protocol import (
-    PROTOCOL_VERSION,
-    ExecMode,
-    Fingerprint,
-    StepPlan,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "A2FBatch",
-    "AFDConnector",
-    "ConnectorStats",
-    "ExecMode",
-    "Fingerprint",
-    "MergedPlan",
-    "RecvHandle",
-    "Routing",
-    "SendHandle",
-    "StepPlan",
-    "canonical_name",
-    "create_connector",
-    "registered_names",
-    "validate_extra_config",
-]
+_EXPORTS = {
+    "AFDConnector": "connector",
+    "canonical_name": "factory",
+    "create_connector": "factory",
+    "registered_names": "factory",
+    "validate_extra_config": "factory",
+    "A2FBatch": "payloads",
+    "ConnectorStats": "payloads",
+    "RecvHandle": "payloads",
+    "Routing": "payloads",
+    "SendHandle": "payloads",
+    "MergedPlan": "plan",
+    "PROTOCOL_VERSION": "protocol",
+    "ExecMode": "protocol",
+    "Fingerprint": "protocol",
+    "StepPlan": "protocol",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
