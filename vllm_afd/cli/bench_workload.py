@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_afd.cli.client import post_json
+
 #: the text prompt windows are cut from (tokenized once by the server)
 CORPUS = (
     "Attention reads the context and keeps the cache; the feed-forward network "
@@ -155,16 +157,6 @@ class Request:
     index: int
     prompt: tuple[int, ...]
     output_len: int
-
-
-def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 def model_info(url: str) -> tuple[str, int | None]:

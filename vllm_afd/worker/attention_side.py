@@ -12,9 +12,10 @@ from vllm.logger import init_logger
 from vllm_afd import envs
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import AttentionExchange, install_exchange
-from vllm_afd.worker.endpoint import Endpoint, open_endpoint
-from vllm_afd.worker.metrics import MetricsPublisher, endpoint_publisher
+from vllm_afd.worker.endpoint import open_endpoint
+from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
+from vllm_afd.worker.runner_base import AFDRunnerMixin
 
 logger = init_logger(__name__)
 
@@ -40,23 +41,9 @@ def warn_if_not_bit_exact(vllm_config: Any) -> None:
         )
 
 
-class AttentionSideMixin:
-    """Starts the connector after load_model; closes it on shutdown.
-
-    Mixed in before a native model runner (CPU V1 or CUDA V2).
-    """
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)  # type: ignore[misc]
-        self.afd_start()
-
-    def shutdown(self) -> None:
-        self.afd_close()
-        super().shutdown()  # type: ignore[misc]
-
-    afd_endpoint: Endpoint | None = None
-    afd_metrics: MetricsPublisher | None = None
-    afd_profiler: StepProfiler | None = None
+class AttentionSideMixin(AFDRunnerMixin):
+    """Opens the connector after load_model and installs the exchange the
+    model's proxies call. Mixed in before a native model runner."""
 
     def afd_start(self) -> None:
         afd = afd_config_of(self.vllm_config)  # type: ignore[attr-defined]
@@ -85,12 +72,4 @@ class AttentionSideMixin:
 
     def afd_close(self) -> None:
         install_exchange(None)
-        if self.afd_profiler is not None:
-            self.afd_profiler.close()
-            self.afd_profiler = None
-        if self.afd_metrics is not None:
-            self.afd_metrics.stop()
-            self.afd_metrics = None
-        if self.afd_endpoint is not None:
-            self.afd_endpoint.close()
-            self.afd_endpoint = None
+        super().afd_close()

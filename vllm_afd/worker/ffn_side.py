@@ -24,10 +24,11 @@ from vllm_afd import envs
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
 from vllm_afd.models.deepseek import afd_config_of
-from vllm_afd.worker.endpoint import Endpoint, open_endpoint
+from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.ffn_loop import FFNLoop
-from vllm_afd.worker.metrics import MetricsPublisher, endpoint_publisher
+from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
+from vllm_afd.worker.runner_base import AFDRunnerMixin
 from vllm_afd.worker.tp_relay import TPRelay
 
 logger = init_logger(__name__)
@@ -58,24 +59,11 @@ class FFNWorkerMixin:
         return None
 
 
-class FFNSideMixin:
-    """Opens the connector and runs the FFN loop after load_model.
+class FFNSideMixin(AFDRunnerMixin):
+    """Opens the connector and runs the FFN loop after load_model. Mixed in
+    before a native model runner (CPU V1 or CUDA V2)."""
 
-    Mixed in before a native model runner (CPU V1 or CUDA V2).
-    """
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)  # type: ignore[misc]
-        self.afd_start()
-
-    def shutdown(self) -> None:
-        self.afd_close()
-        super().shutdown()  # type: ignore[misc]
-
-    afd_endpoint: Endpoint | None = None
     afd_loop: FFNLoop | None = None
-    afd_metrics: MetricsPublisher | None = None
-    afd_profiler: StepProfiler | None = None
 
     def afd_start(self) -> None:
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
@@ -183,12 +171,4 @@ class FFNSideMixin:
         if self.afd_loop is not None:
             self.afd_loop.stop()
             self.afd_loop = None
-        if self.afd_metrics is not None:
-            self.afd_metrics.stop()
-            self.afd_metrics = None
-        if self.afd_profiler is not None:
-            self.afd_profiler.close()
-            self.afd_profiler = None
-        if self.afd_endpoint is not None:
-            self.afd_endpoint.close()
-            self.afd_endpoint = None
+        super().afd_close()

@@ -1,0 +1,44 @@
+"""What both roles' AFD runners add to a native vLLM model runner.
+
+Mixed in before the native runner class (CPU V1 or CUDA V2): after
+``load_model`` the role's :meth:`afd_start` opens the connector; on
+``shutdown`` :meth:`afd_close` stops the profiler and the metrics publisher
+and closes the connector, which tells the peers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_afd.worker.endpoint import Endpoint
+from vllm_afd.worker.metrics import MetricsPublisher
+from vllm_afd.worker.profiling import StepProfiler
+
+
+class AFDRunnerMixin:
+    afd_endpoint: Endpoint | None = None
+    afd_metrics: MetricsPublisher | None = None
+    afd_profiler: StepProfiler | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self.afd_start()
+
+    def shutdown(self) -> None:
+        self.afd_close()
+        super().shutdown()  # type: ignore[misc]
+
+    def afd_start(self) -> None:
+        raise NotImplementedError
+
+    def afd_close(self) -> None:
+        """Stop profiling and metrics, close the connector. Idempotent."""
+        if self.afd_profiler is not None:
+            self.afd_profiler.close()
+            self.afd_profiler = None
+        if self.afd_metrics is not None:
+            self.afd_metrics.stop()
+            self.afd_metrics = None
+        if self.afd_endpoint is not None:
+            self.afd_endpoint.close()
+            self.afd_endpoint = None
