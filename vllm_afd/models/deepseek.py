@@ -30,7 +30,7 @@ from vllm.model_executor.models import deepseek_v2 as native
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from vllm_afd.compat.patching import Patch, scoped_patch
-from vllm_afd.config import AFDConfig, AFDRole, afd_config_from_additional
+from vllm_afd.config import AFDConfig, afd_config_from_additional
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDConfigError
@@ -299,7 +299,3 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
     """Role-split ``DeepseekV3ForCausalLM`` (same native code as V2)."""
-
-
-def role_of(model: torch.nn.Module) -> AFDRole:
-    return model.afd.role  # type: ignore[attr-defined]

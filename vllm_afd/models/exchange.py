@@ -41,10 +41,6 @@ class AttentionExchange:
         self.step_id = 0
         self._lock = threading.Lock()
 
-    @property
-    def is_endpoint(self) -> bool:
-        return self.connector is not None
-
     def begin_step(self, num_tokens: int, mode: ExecMode = ExecMode.EAGER) -> None:
         """Send this forward's plan (called before the decoder stack runs)."""
         with self._lock:

@@ -1,0 +1,127 @@
+"""The FFN daemon loop over the in-process loopback connector (no vLLM)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+from vllm_afd.config import parse_afd_config
+from vllm_afd.connector import ExecMode, Fingerprint, StepPlan, create_connector
+from vllm_afd.errors import AFDPeerError
+from vllm_afd.worker.ffn_loop import FFNLoop
+
+HIDDEN = 8
+LAYERS = (0, 1, 2)
+_ports = itertools.count(41000)
+
+
+def _pair(num_attention: int = 1, timeout_s: float = 5.0):
+    port = next(_ports)
+    fp = Fingerprint(
+        arch="TinyMoE", hidden_size=HIDDEN, dtype="float32", num_layers=len(LAYERS),
+        moe_layers=LAYERS, num_experts=4, top_k=2,
+        num_attention_ranks=num_attention, num_ffn_ranks=1,
+        compute_gate_on_attention=False, connector="loopback",
+    )  # fmt: skip
+
+    def make(role: str, rank: int):
+        cfg = parse_afd_config(
+            {
+                "role": role, "connector": "loopback", "port": port,
+                "num_attention_ranks": num_attention,
+                "connector_extra_config": {"timeout_s": timeout_s},
+            }
+        )  # fmt: skip
+        return create_connector(cfg, rank, fp, "cpu")
+
+    return make("ffn", 0), [make("attention", r) for r in range(num_attention)]
+
+
+def _start_all(*connectors) -> None:
+    threads = [threading.Thread(target=c.start) for c in connectors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+
+
+def _compute(layer_idx: int, batch) -> torch.Tensor:
+    return batch.hidden * 2 + layer_idx
+
+
+def _attention_steps(conn, steps: int, tokens: int, seed: int) -> list[bool]:
+    ok = []
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        conn.send_plan(StepPlan(step, ExecMode.EAGER, (tokens,)))
+        for layer in LAYERS:
+            hidden = torch.randn(tokens, HIDDEN, generator=gen)
+            conn.send_a2f(layer, 0, hidden)
+            out = conn.recv_f2a(layer, 0)
+            ok.append(torch.equal(out, hidden * 2 + layer))
+    return ok
+
+
+def test_ffn_loop_serves_merged_peers_exactly_and_ends_on_shutdown() -> None:
+    ffn, attns = _pair(num_attention=2)
+    _start_all(ffn, *attns)
+    exits: list[BaseException | None] = []
+    loop = FFNLoop(ffn, _compute, LAYERS, on_exit=exits.append)
+    loop.start()
+    results: dict[int, list[bool]] = {}
+    workers = [
+        threading.Thread(
+            target=lambda r=r: results.__setitem__(
+                r, _attention_steps(attns[r], steps=4, tokens=3 + r, seed=r)
+            )
+        )
+        for r in range(2)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(20)
+    for conn in attns:
+        conn.close()
+    loop._thread.join(10)
+    assert all(all(v) for v in results.values()) and len(results) == 2
+    assert exits == [None] and loop.error is None
+    assert loop.stats.steps == 4
+    assert loop.stats.tokens == 4 * (3 + 4)
+    assert loop.stats.last_batch_tokens == 7
+
+
+def test_ffn_loop_compute_error_is_kept_and_handed_to_on_exit() -> None:
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    exits: list[BaseException | None] = []
+
+    def broken(layer_idx: int, batch) -> torch.Tensor:
+        raise RuntimeError("expert kernel exploded")
+
+    loop = FFNLoop(ffn, broken, LAYERS, on_exit=exits.append)
+    loop.start()
+    attn.send_plan(StepPlan(1, ExecMode.EAGER, (2,)))
+    attn.send_a2f(0, 0, torch.ones(2, HIDDEN))
+    loop._thread.join(10)
+    assert isinstance(loop.error, RuntimeError)
+    assert exits == [loop.error]
+    ffn.close()
+    with pytest.raises(AFDPeerError):
+        attn.recv_f2a(0, 0)
+    attn.close()
+
+
+def test_ffn_loop_stop_unblocks_an_idle_loop_without_error() -> None:
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    exits: list[BaseException | None] = []
+    loop = FFNLoop(ffn, _compute, LAYERS, on_exit=exits.append)
+    loop.start()
+    loop.stop(timeout=10)
+    assert not loop.alive
+    assert exits == [None] and loop.error is None
+    attn.close()
