@@ -57,7 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("what to measure")
     t.add_argument("--model", help="model directory: start AFD and the baseline")
     t.add_argument("--afd-url", help="a running AFD deployment (attention API)")
-    t.add_argument("--ffn-url", help="the FFN role's API server (FFN counters)")
+    t.add_argument(
+        "--ffn-url",
+        action="append",
+        default=[],
+        help="an FFN rank's API server (FFN counters); repeat for every FFN rank",
+    )
     t.add_argument("--baseline-url", help="a running plain vLLM on the same model")
     t.add_argument("-A", "--attention-ranks", type=int, default=1)
     t.add_argument("-F", "--ffn-ranks", type=int, default=1)
@@ -180,16 +185,16 @@ def _spec(args: argparse.Namespace, vllm_args: list[str]) -> DeploymentSpec:
 @contextlib.contextmanager
 def afd_target(
     args: argparse.Namespace, spec: DeploymentSpec | None, log: _LogTail
-) -> Iterator[tuple[str, str | None]]:
-    """(attention URL, FFN URL) of the deployment, started if ``spec``."""
+) -> Iterator[tuple[str, list[str]]]:
+    """(attention URL, FFN URLs) of the deployment, started if ``spec``."""
     if spec is None:
-        yield args.afd_url.rstrip("/"), args.ffn_url and args.ffn_url.rstrip("/")
+        yield args.afd_url.rstrip("/"), [u.rstrip("/") for u in args.ffn_url]
         return
     _note(f"starting AFD {spec.attention_ranks}A{spec.ffn_ranks}F ...")
     deployment = Deployment(spec, log=log)
     deployment.start(args.ready_timeout)
     try:
-        yield deployment.api_url, deployment.ffn.url
+        yield deployment.api_url, [p.url for p in deployment.ffns]
     finally:
         deployment.stop()
 
@@ -210,22 +215,22 @@ def _note(text: str) -> None:
     print(f"vllm-afd bench: {text}", file=sys.stderr, flush=True)
 
 
-def counters(url: str, ffn_url: str | None) -> dict[tuple[str, str, str], float]:
+def counters(url: str, ffn_urls: list[str]) -> dict[tuple[str, str, str], float]:
     found = afd_metrics(url)
-    if ffn_url:
+    for ffn_url in ffn_urls:
         found.update(afd_metrics(ffn_url))
     return found
 
 
 def settled_counters(
-    url: str, ffn_url: str | None, timeout: float = 20.0
+    url: str, ffn_urls: list[str], timeout: float = 20.0
 ) -> dict[tuple[str, str, str], float]:
     """Counters once two reads a publish interval (0.5 s) apart agree."""
     deadline = time.monotonic() + timeout
-    last = counters(url, ffn_url)
+    last = counters(url, ffn_urls)
     while time.monotonic() < deadline:
         time.sleep(0.6)
-        now = counters(url, ffn_url)
+        now = counters(url, ffn_urls)
         if now == last:
             return now
         last = now
@@ -308,7 +313,7 @@ def _config(
         "warmup": args.warmup,
         "vllm_args": vllm_args,
         "afd_url": args.afd_url,
-        "ffn_url": args.ffn_url,
+        "ffn_urls": args.ffn_url,
         "baseline_url": args.baseline_url,
     }
 
@@ -322,12 +327,12 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: _LogTail) -> di
     lengths = list(zip(ins, outs, strict=True))
     spec = _spec(args, vllm_args) if args.model and not args.afd_url else None
 
-    with afd_target(args, spec, log) as (url, ffn_url):
+    with afd_target(args, spec, log) as (url, ffn_urls):
         served, requests = _prepare(args, url, lengths)
         _warm_up(url, served, requests, args.warmup)
-        before = settled_counters(url, ffn_url)
+        before = settled_counters(url, ffn_urls)
         afd = _run(args, "AFD", url, served, requests, devices=1)
-        delta = report_mod.counter_delta(before, settled_counters(url, ffn_url))
+        delta = report_mod.counter_delta(before, settled_counters(url, ffn_urls))
     ranks = _role_ranks(args, delta)
     afd = dataclasses.replace(afd, devices=sum(ranks))
 
