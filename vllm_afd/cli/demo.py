@@ -23,7 +23,7 @@ from vllm_afd.cli.client import (
 )
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
 
-DEFAULT_DIR = Path.home() / ".cache" / "vllm-afd" / "tiny-deepseek"
+DEFAULT_DIR = Path.home() / ".cache" / "vllm-afd" / "tiny"
 DEMO_VLLM_ARGS = [
     "--max-model-len",
     "512",
