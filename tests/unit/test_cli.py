@@ -114,3 +114,23 @@ def _parser_with(func):
 def test_main_rejects_vllm_args_for_commands_without_them() -> None:
     with pytest.raises(SystemExit):
         cli.main(["tiny-model", "out", "--", "--dtype", "float32"])
+
+
+def test_deployment_spec_from_launch_and_bench_command_lines() -> None:
+    parser = cli.build_parser()
+    launch = parser.parse_args(
+        ["launch", "M", "-A", "4", "-F", "2", "--host", "10.0.0.5",
+         "--gate-on-attention", "--ffn-args", "-tp 2",
+         "--connector-extra-config", '{"timeout_s": 5}']
+    )  # fmt: skip
+    spec = DeploymentSpec.from_args(launch, ["--dtype", "float32"])
+    assert (spec.model, spec.attention_ranks, spec.ffn_ranks) == ("M", 4, 2)
+    assert spec.host == "10.0.0.5" and spec.gate_on_attention
+    assert spec.ffn_args == ["-tp", "2"] and spec.attention_args == []
+    assert spec.connector_extra_config == {"timeout_s": 5}
+    assert spec.vllm_args == ["--dtype", "float32"]
+
+    bench = parser.parse_args(["bench", "--model", "M", "-A", "2"])
+    spec = DeploymentSpec.from_args(bench, [])
+    assert (spec.model, spec.attention_ranks, spec.ffn_ranks) == ("M", 2, 1)
+    assert spec.host == DeploymentSpec.host and spec.ffn_args == []

@@ -168,18 +168,7 @@ class _LogTail:
 
 
 def _spec(args: argparse.Namespace, vllm_args: list[str]) -> DeploymentSpec:
-    return DeploymentSpec(
-        model=args.model,
-        attention_ranks=args.attention_ranks,
-        ffn_ranks=args.ffn_ranks,
-        port=args.port,
-        ffn_port=args.ffn_port,
-        afd_port=args.afd_port,
-        connector=args.connector,
-        gate_on_attention=args.gate_on_attention,
-        connector_extra_config=args.connector_extra_config,
-        vllm_args=vllm_args,
-    )
+    return DeploymentSpec.from_args(args, vllm_args)
 
 
 @contextlib.contextmanager

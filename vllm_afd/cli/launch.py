@@ -123,6 +123,27 @@ class DeploymentSpec:
     ffn_args: list[str] = field(default_factory=list)
     cpu_workaround: bool | None = None  # None: when no CUDA device is visible
 
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, vllm_args: list[str]
+    ) -> DeploymentSpec:
+        """The spec described by the ``launch`` / ``bench`` command lines."""
+        return cls(
+            model=args.model,
+            attention_ranks=args.attention_ranks,
+            ffn_ranks=args.ffn_ranks,
+            port=args.port,
+            ffn_port=args.ffn_port,
+            afd_port=args.afd_port,
+            host=getattr(args, "host", cls.host),
+            connector=args.connector,
+            gate_on_attention=args.gate_on_attention,
+            connector_extra_config=args.connector_extra_config,
+            vllm_args=vllm_args,
+            attention_args=getattr(args, "attention_args", []),
+            ffn_args=getattr(args, "ffn_args", []),
+        )
+
     def afd_config(self, role: str) -> dict:
         return {
             "role": role,
@@ -322,22 +343,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    vllm_args = list(args.vllm_args)
-    spec = DeploymentSpec(
-        model=args.model,
-        attention_ranks=args.attention_ranks,
-        ffn_ranks=args.ffn_ranks,
-        port=args.port,
-        ffn_port=args.ffn_port,
-        afd_port=args.afd_port,
-        host=args.host,
-        connector=args.connector,
-        gate_on_attention=args.gate_on_attention,
-        connector_extra_config=args.connector_extra_config,
-        vllm_args=vllm_args,
-        attention_args=args.attention_args,
-        ffn_args=args.ffn_args,
-    )
+    spec = DeploymentSpec.from_args(args, list(args.vllm_args))
     deployment = Deployment(spec)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
