@@ -27,6 +27,7 @@ handles not waited explicitly are waited at the next step boundary.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -56,6 +57,33 @@ _CLOSE_DRAIN_S = 1.0
 
 class AFDConnector(ConnectorCore):
     """One endpoint of the A2F/F2A exchange, built by ``factory.create_connector``."""
+
+    @classmethod
+    def assemble(
+        cls,
+        name: str,
+        config: Any,
+        role_rank: int,
+        topology: Any,
+        fingerprint: Any,
+        device: torch.device,
+        extra: dict[str, Any],
+        control: Any,
+        data: Any,
+    ) -> AFDConnector:
+        """An endpoint over a connector's planes, with the common options."""
+        return cls(
+            name=name,
+            role=config.role,
+            role_rank=role_rank,
+            topology=topology,
+            fingerprint=fingerprint,
+            control=control,
+            data=data,
+            device=device,
+            timeout_s=extra["timeout_s"],
+            warmup_timeout_s=extra["warmup_timeout_s"],
+        )
 
     def start(self) -> None:
         """Rendezvous and handshake; blocks at most ``connect_timeout_s``.

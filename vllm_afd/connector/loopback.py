@@ -303,15 +303,7 @@ def build(
         connect_timeout_s=extra["connect_timeout_s"],
     )
     data = LoopbackDataPlane(control, topology.global_rank(config.role, role_rank))
-    return AFDConnector(
-        name="loopback",
-        role=config.role,
-        role_rank=role_rank,
-        topology=topology,
-        fingerprint=fingerprint,
-        control=control,
-        data=data,
-        device=device,
-        timeout_s=extra["timeout_s"],
-        warmup_timeout_s=extra["warmup_timeout_s"],
-    )
+    return AFDConnector.assemble(
+        "loopback", config, role_rank, topology, fingerprint, device, extra,
+        control, data,
+    )  # fmt: skip

@@ -68,15 +68,7 @@ def build(
         timeout_s=max(timeout_s, extra["warmup_timeout_s"]),
         connect_timeout_s=connect_timeout_s,
     )
-    return AFDConnector(
-        name="p2p",
-        role=config.role,
-        role_rank=role_rank,
-        topology=topology,
-        fingerprint=fingerprint,
-        control=control,
-        data=data,
-        device=device,
-        timeout_s=timeout_s,
-        warmup_timeout_s=extra["warmup_timeout_s"],
-    )
+    return AFDConnector.assemble(
+        "p2p", config, role_rank, topology, fingerprint, device, extra,
+        control, data,
+    )  # fmt: skip
