@@ -125,3 +125,66 @@ def test_ffn_loop_stop_unblocks_an_idle_loop_without_error() -> None:
     assert not loop.alive
     assert exits == [None] and loop.error is None
     attn.close()
+
+
+class _DeferredGraphs:
+    """Step graphs with CUDA graph semantics on CPU: capture records the step
+    without running it; replay runs what was recorded."""
+
+    def __init__(self) -> None:
+        self.recorded: dict = {}
+
+    def capture(self, plan, serve) -> None:
+        self.recorded[plan.peer_tokens] = serve
+
+    def replay(self, plan) -> bool:
+        serve = self.recorded.get(plan.peer_tokens)
+        if serve is None:
+            return False
+        serve()
+        return True
+
+
+def _exchange_step(conn, tokens: int, gen: torch.Generator) -> bool:
+    ok = True
+    for layer in LAYERS:
+        hidden = torch.randn(tokens, HIDDEN, generator=gen)
+        conn.send_a2f(layer, 0, hidden)
+        ok &= torch.equal(conn.recv_f2a(layer, 0), hidden * 2 + layer)
+    return ok
+
+
+def test_ffn_loop_captures_replays_on_a_hit_and_runs_eager_on_a_miss() -> None:
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    graphs = _DeferredGraphs()
+    loop = FFNLoop(ffn, _compute, LAYERS, graphs=graphs)
+    loop.start()
+    gen = torch.Generator().manual_seed(0)
+    attn.send_plan(StepPlan(1, ExecMode.EAGER, (3,)))
+    assert _exchange_step(attn, 3, gen)
+    # A capture records on both sides and moves no data.
+    attn.send_plan(StepPlan(2, ExecMode.CAPTURE, (4,)))
+    attn.send_plan(StepPlan(3, ExecMode.REPLAY, (4,)))
+    assert _exchange_step(attn, 4, gen)  # replayed from the recorded step
+    attn.send_plan(StepPlan(4, ExecMode.REPLAY, (5,)))
+    assert _exchange_step(attn, 5, gen)  # no graph of this layout: eager
+    attn.close()
+    loop._thread.join(10)
+    assert loop.error is None
+    assert list(graphs.recorded) == [((4,),)]
+    stats = loop.stats
+    assert (stats.steps, stats.graph_captures, stats.graph_replays) == (4, 1, 1)
+
+
+def test_ffn_loop_without_graph_support_fails_a_capture_step() -> None:
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    exits: list[BaseException | None] = []
+    loop = FFNLoop(ffn, _compute, LAYERS, on_exit=exits.append)
+    loop.start()
+    attn.send_plan(StepPlan(1, ExecMode.CAPTURE, (2,)))
+    loop._thread.join(10)
+    assert "cannot capture graphs" in str(loop.error)
+    assert exits == [loop.error]
+    attn.close()

@@ -6,9 +6,12 @@ the tiny local tokenizer, whose small vocabulary replaces V2-Lite's 102400:
 a smaller lm_head), no weights. For each batch size B, B concurrent
 requests of ``--input-len`` prompt tokens and ``--output-len`` greedy new
 tokens (``ignore_eos``); reported: output tokens/s and the mean time per
-decode step. Both run ``--enforce-eager`` unless told otherwise.
+decode step, and per batch the ratio of AFD to the best baseline. Both run
+``--enforce-eager`` unless ``--cuda-graphs`` (vLLM's default compilation and
+CUDA graphs on both).
 
-    python tools/gpu/bench_decode.py --out bench.json [--batches 16,32,...]
+    python tools/gpu/bench_decode.py --out bench.json [--batches 16,32,...] \
+        [--cuda-graphs] [--baselines tp2,dp2ep2]
 """
 
 from __future__ import annotations
@@ -119,8 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--cuda-graphs", action="store_true", help="drop --enforce-eager")
+    p.add_argument(
+        "--compilation-config",
+        help="vLLM --compilation-config JSON for AFD and baselines alike "
+        "(implies --cuda-graphs)",
+    )
     p.add_argument("--skip-afd", action="store_true")
-    p.add_argument("--skip-plain", action="store_true")
+    p.add_argument(
+        "--baselines",
+        default="tp2",
+        help="plain vLLM set-ups on the same 2 GPUs, comma-separated: tp2 "
+        "(--tensor-parallel-size 2), dp2ep2 (--data-parallel-size 2 "
+        "--enable-expert-parallel); empty for none",
+    )
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     model_dir = write_v2_lite_config(Path(tempfile.mkdtemp()) / "v2-lite")
@@ -136,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-memory-utilization",
         "0.5",
     ]
-    if not args.cuda_graphs:
+    if args.compilation_config:
+        common += ["--compilation-config", args.compilation_config]
+    elif not args.cuda_graphs:
         common.append("--enforce-eager")
     log = open(args.log, "w") if args.log else sys.stdout  # noqa: SIM115
     report = {
@@ -168,26 +184,55 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             afd.stop()
         save()
-    if not args.skip_plain:
-        tp2 = DeploymentSpec(
-            model=str(model_dir),
-            port=port,
-            vllm_args=[*common, "--tensor-parallel-size", "2"],
+    for name in filter(None, args.baselines.split(",")):
+        baseline = DeploymentSpec(
+            model=str(model_dir), port=port, vllm_args=[*common, *BASELINES[name]]
         )
-        plain = PlainServer(tp2, log=log)
+        plain = PlainServer(baseline, log=log)
         on_devices(plain.process, "0,1")
         try:
             plain.start(ready_timeout=400)
-            report["rows"] += measure(plain.url, args, "plain-tp2")
+            report["rows"] += measure(plain.url, args, f"plain-{name}")
         finally:
             plain.stop()
         save()
+    report["ratios"] = ratios(report["rows"])
+    save()
     for row in report["rows"]:
         print(
-            f"{row['setup']:>10} B={row['batch']:>4} {row['tok_per_s']:9.1f} tok/s "
+            f"{row['setup']:>13} B={row['batch']:>4} {row['tok_per_s']:9.1f} tok/s "
             f"{row['ms_per_step']:7.2f} ms/step"
         )
+    for row in report["ratios"]:
+        print(
+            f"B={row['batch']:>4} AFD/best plain ({row['best']}) = {row['ratio']:.3f}"
+        )
     return 0
+
+
+#: plain vLLM baselines on the same two GPUs
+BASELINES = {
+    "tp2": ["--tensor-parallel-size", "2"],
+    "dp2ep2": ["--data-parallel-size", "2", "--enable-expert-parallel"],
+}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per batch: AFD throughput over the best plain baseline's."""
+    out = []
+    for batch in sorted({r["batch"] for r in rows}):
+        afd = [r for r in rows if r["batch"] == batch and r["setup"] == "afd-1a1f"]
+        plain = [r for r in rows if r["batch"] == batch and r["setup"] != "afd-1a1f"]
+        if afd and plain:
+            best = max(plain, key=lambda r: r["tok_per_s"])
+            out.append(
+                {
+                    "batch": batch,
+                    "best": best["setup"],
+                    "ratio": afd[0]["tok_per_s"] / best["tok_per_s"],
+                }
+            )
+    return out
 
 
 if __name__ == "__main__":

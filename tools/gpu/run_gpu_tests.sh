@@ -3,24 +3,29 @@
 # where vLLM 0.32.0 (CUDA build) is importable. Writes JSON and logs to OUTDIR.
 #
 #   tools/gpu/run_gpu_tests.sh OUTDIR [--target DIR] [--no-bench | --bench-only]
+#                              [-k EXPR] [-- BENCH_ARGS...]
 #
 #   --target DIR   install the project into DIR (pip --target; DIR must be on
 #                  PYTHONPATH) instead of the current environment
 #   --no-bench     tests only;  --bench-only  benchmarks only
+#   -k EXPR        run only the GPU tests pytest selects with -k EXPR
+#   -- ARGS        passed to tools/gpu/bench_decode.py (e.g. --cuda-graphs)
 #
 # OUTDIR receives: pytest.log, junit.xml, results.json (tests), bench.json and
 # bench_servers.log (benchmarks), server_logs.tgz (every role's server log).
 set -uo pipefail
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 OUT=$1; shift
-TARGET=""; RUN_TESTS=1; RUN_BENCH=1
+TARGET=""; RUN_TESTS=1; RUN_BENCH=1; SELECT=()
 while [ $# -gt 0 ]; do
   case $1 in
     --target) TARGET=$2; shift 2 ;;
     --no-bench) RUN_BENCH=0; shift ;;
     --bench-only) RUN_TESTS=0; shift ;;
+    -k) SELECT=(-k "$2"); shift 2 ;;
+    --) shift; break ;;
     *) usage ;;
   esac
 done
@@ -50,7 +55,7 @@ PY
 TMP=$(mktemp -d)
 rc=0
 if [ $RUN_TESTS = 1 ]; then
-  python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider --basetemp="$TMP/pytest" \
+  python3 -m pytest tests/gpu -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$OUT" <<'PY'
@@ -69,7 +74,7 @@ PY
 fi
 if [ $RUN_BENCH = 1 ]; then
   python3 tools/gpu/bench_decode.py --out "$OUT/bench.json" \
-    --log "$OUT/bench_servers.log" || rc=1
+    --log "$OUT/bench_servers.log" "$@" || rc=1
 fi
 (cd "$TMP" && find . -name '*.log' -print0 | tar czf "$OUT/server_logs.tgz" --null -T -)
 rm -rf "$TMP"

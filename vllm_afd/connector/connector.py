@@ -43,6 +43,7 @@ from vllm_afd.connector.plan import MergedPlan, merge_plans
 from vllm_afd.connector.protocol import (
     PROTOCOL_VERSION,
     ExchangeKey,
+    ExecMode,
     Kind,
     StepPlan,
 )
@@ -139,6 +140,22 @@ class AFDConnector(ConnectorCore):
         self._plan = plan
         self._tokens = plan.ubatch_tokens
         self._steps += 1
+        if plan.mode is ExecMode.REPLAY:
+            self._account_graph_step(plan.ubatch_tokens)
+
+    def flush(self) -> None:
+        """Wait for every send in flight (done anyway at the next step).
+
+        Under CUDA graph capture this joins the transport's stream back into
+        the captured one before the capture ends.
+        """
+        self._drain_sends()
+
+    def account_graph_step(self) -> None:
+        """FFN: count the bytes of the current step, replayed from a graph."""
+        self._check(FFN, "account_graph_step")
+        if self._tokens is not None:
+            self._account_graph_step(self._tokens)
 
     def send_a2f(
         self,

@@ -100,6 +100,7 @@ class ConnectorCore:
         self._pending_sends: list[SendHandle] = []
         self._pool: dict[tuple[str, int], torch.Tensor] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
         # ubatch -> (batch, [(peer, [(slice, kind)])]) of the current FFN step.
         self._a2f_plan: dict[int, tuple[A2FBatch, list]] = {}
         self._a2f_nbytes: dict[int, int] = {}
@@ -184,6 +185,10 @@ class ConnectorCore:
         need = shape[0] * shape[1]
         flat = self._pool.get((slot, index))
         if flat is None or flat.numel() < need:
+            if flat is not None:
+                # A captured CUDA graph may hold this buffer's address: it
+                # must outlive the connector's use of it (sizes only grow).
+                self._retired.append(flat)
             flat = torch.empty(need, dtype=dtype, device=self.device)
             self._pool[(slot, index)] = flat
         view = self._views[(slot, index)] = flat[:need].view(shape)
@@ -205,6 +210,15 @@ class ConnectorCore:
         preposted, self._preposted = self._preposted, {}
         for recv in preposted.values():
             recv.wait()
+
+    def _account_graph_step(self, ubatch_tokens: Sequence[int]) -> None:
+        """Count the bytes of a step replayed from a CUDA graph, whose
+        exchanges never reach Python."""
+        tokens = sum(ubatch_tokens)
+        per_token = self._hidden * self._dtype.itemsize
+        routing = 2 * 4 * self._top_k if self._gate else 0
+        self._a2f_bytes += len(self._layers) * tokens * (per_token + routing)
+        self._f2a_bytes += len(self._layers) * tokens * per_token
 
     def _step_timeout(self) -> float:
         """``timeout_s``, or ``warmup_timeout_s`` in WARMUP/CAPTURE steps."""

@@ -234,14 +234,7 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
                 "the AFD FFN role does not run the decoder forward; it is "
                 "driven by the connector"
             )
-        # Profile, compile and idle (dummy) forwards carry no attention
-        # metadata; they may compile on the way, so the FFN waits longer.
-        mode = (
-            ExecMode.WARMUP
-            if get_forward_context().attn_metadata is None
-            else ExecMode.EAGER
-        )
-        current_exchange().begin_step(int(positions.shape[0]), mode)
+        current_exchange().begin_step(int(positions.shape[0]), _forward_mode(positions))
         return super().forward(
             input_ids, positions, intermediate_tensors, inputs_embeds
         )
@@ -295,6 +288,22 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
             is role
         )
         return super().load_weights(mine)
+
+
+def _forward_mode(positions: torch.Tensor) -> ExecMode:
+    """How the FFN must serve the forward that is starting.
+
+    CAPTURE when a CUDA graph is being recorded around it (FULL graphs; a
+    replay never runs the forward). WARMUP for profile, compile and idle
+    (dummy) forwards, which carry no attention metadata and may compile on
+    the way, so the FFN waits longer. EAGER otherwise, piecewise graphs
+    included: the exchange op splits them and runs between their pieces.
+    """
+    if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        return ExecMode.CAPTURE
+    if get_forward_context().attn_metadata is None:
+        return ExecMode.WARMUP
+    return ExecMode.EAGER
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):

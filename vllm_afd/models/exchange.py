@@ -5,9 +5,16 @@ position; the proxy calls ``torch.ops.vllm_afd.ffn_exchange(hidden, layer_idx)``
 an opaque custom op (so ``torch.compile`` never traces the transfer), which
 lands in the process's :class:`AttentionExchange`::
 
-    forward(input_ids, positions)          <- begin_step(T): send the StepPlan
+    forward(input_ids, positions)          <- begin_step(T, mode): the StepPlan
       layer i: attention ... proxy(hidden) <- exchange(hidden [T, H], i)
                                               A2F send, F2A receive
+
+CUDA graphs: the plan always travels outside any captured region. A forward
+run under capture sends a CAPTURE plan before the decoder stack is recorded;
+a FULL graph replay never runs the forward, so the runner sends the REPLAY
+plan just before it replays (``worker.cuda_attention``). On CUDA each exchange
+joins the connector's stream back before returning, so a capture records the
+whole NCCL send and receive and nothing of an earlier step.
 
 With attention tensor parallelism only TP rank 0 is a connector endpoint; it
 exchanges and broadcasts the F2A result to the other TP ranks, so a TP group
@@ -62,14 +69,18 @@ class AttentionExchange:
     ) -> torch.Tensor:
         """Ship ``hidden [T, H]`` (and routing) for ``layer_idx``; return the
         FFN output ``[T, H]``."""
+        # The op returns storage of its own: a compiled graph may still read
+        # this layer's output after the next exchange, and under CUDA graph
+        # capture the receive lands in the graph's memory pool.
+        out = torch.empty_like(hidden)
         if self.connector is not None:
-            self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
-            # The connector reuses its receive buffer; a compiled graph may
-            # still read this layer's output after the next exchange, so the
-            # op returns storage of its own.
-            out = self.connector.recv_f2a(layer_idx, 0).clone()
-        else:
-            out = torch.empty_like(hidden)
+            sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
+            self.connector.recv_f2a(layer_idx, 0, out=out)
+            if hidden.is_cuda:
+                # Orders the current stream after the send (no host wait), so
+                # no send stays in flight across a step: a capture can neither
+                # end with an unjoined send nor wait on work from outside it.
+                sent.wait()
         if self.tp_group is not None and self.tp_group.world_size > 1:
             out = self.tp_group.broadcast(out, src=0)
         return out

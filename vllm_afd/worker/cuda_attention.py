@@ -2,16 +2,23 @@
 
 Wraps vllm/v1/worker/gpu_worker.py and gpu/model_runner.py @ 0.32.0 (the V2
 model runner, CUDA's default). Everything is native (scheduler, KV cache,
-batching, attention, sampling, output) except that the runner starts the
-connector once the role-split model is loaded, and closes it on shutdown.
+batching, attention, sampling, output, CUDA graphs) except that the runner
+starts the connector once the role-split model is loaded, closes it on
+shutdown, and announces each FULL CUDA graph replay to the FFN role: a replay
+never runs the model's forward, where the other plans are sent.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.compat.workers import CUDA_DEFAULT_WORKER, check_runner_generation
+from vllm_afd.connector.protocol import ExecMode
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.models.exchange import current_exchange
 from vllm_afd.worker.attention_side import AttentionSideMixin
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
 
@@ -27,6 +34,33 @@ def require_v2_runner(worker: Worker) -> None:
 
 class AFDAttentionModelRunner(AttentionSideMixin, GPUModelRunner):
     """V2 ``GPUModelRunner`` whose model exchanges with the FFN role."""
+
+    # The native runner assigns its CUDA graph manager in __init__ and again in
+    # each initialize_kv_cache; every manager it assigns announces replays.
+    @property
+    def cudagraph_manager(self) -> Any:
+        return self.__dict__.get("_afd_cudagraph_manager")
+
+    @cudagraph_manager.setter
+    def cudagraph_manager(self, manager: Any) -> None:
+        if manager is not None:
+            announce_replays(manager)
+        self.__dict__["_afd_cudagraph_manager"] = manager
+
+
+def announce_replays(manager: Any) -> None:
+    """Send a REPLAY plan before each FULL graph replay of ``manager``."""
+    replay = manager.run_fullgraph
+
+    def run_fullgraph(desc: Any) -> Any:
+        if desc.num_ubatches > 1:
+            raise AFDConfigError(
+                "AFD does not support micro-batched (DBO) CUDA graphs yet"
+            )
+        current_exchange().begin_step(desc.num_tokens, ExecMode.REPLAY)
+        return replay(desc)
+
+    manager.run_fullgraph = run_fullgraph
 
 
 class AFDAttentionWorker(Worker):

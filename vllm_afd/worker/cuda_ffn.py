@@ -3,9 +3,10 @@
 Wraps vllm/v1/worker/gpu_worker.py and gpu/model_runner.py @ 0.32.0 (the V2
 model runner). Same behaviour as the CPU FFN worker: vLLM's attention-free
 path (``get_kv_cache_spec`` returns ``{}``), no warm-up forward and no CUDA
-graph capture, no generate tasks, and scheduler-driven ``execute_model`` is
-refused. The connector-driven loop (:class:`FFNSideMixin`) does the work on
-a thread of its own.
+graph capture of its own, no generate tasks, and scheduler-driven
+``execute_model`` is refused. The connector-driven loop (:class:`FFNSideMixin`)
+does the work on a thread of its own, and records and replays step graphs when
+the attention role captures and replays FULL graphs (:mod:`.ffn_graphs`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.worker.cuda_attention import require_v2_runner
+from vllm_afd.worker.ffn_graphs import CudaStepGraphs
 from vllm_afd.worker.ffn_side import FFNSideMixin, FFNWorkerMixin
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
 
 
 class AFDFFNModelRunner(FFNSideMixin, GPUModelRunner):
     """V2 ``GPUModelRunner`` that runs the FFN loop instead of scheduled steps."""
+
+    def _afd_step_graphs(self) -> CudaStepGraphs:
+        # The step graphs mirror the attention role's FULL graphs.
+        return CudaStepGraphs(self.device)
 
     def _afd_compute(self, layer_idx: int, batch: Any) -> torch.Tensor:
         # The loop runs on its own thread, whose current CUDA device is not

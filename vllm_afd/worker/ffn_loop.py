@@ -13,6 +13,13 @@ Plain code over the connector facade, testable with the in-process
 It runs on a thread started by the FFN worker once the model is loaded. An
 error ends the loop; it is kept in :attr:`FFNLoop.error`, logged, and handed
 to ``on_exit`` so the worker can surface it.
+
+CUDA graphs follow the plan's mode. CAPTURE: the attention role is recording
+a graph of this step, so the loop records its own (every layer's receive,
+compute and send) keyed by the step's token layout, and runs nothing. REPLAY:
+the loop replays the graph of that layout, or serves the step eagerly when it
+has none (NCCL matches a graph's transfers with eager ones). EAGER and
+WARMUP: eager.
 """
 
 from __future__ import annotations
@@ -22,14 +29,27 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from vllm_afd.connector.protocol import ExecMode
+from vllm_afd.errors import AFDConnectorError
 
 logger = logging.getLogger(__name__)
 
 #: compute(layer_idx, batch) -> output [ΣT, H]; batch is a connector A2FBatch
 ComputeFn = Callable[[int, Any], torch.Tensor]
+
+
+class StepGraphs(Protocol):
+    """Graphs of whole FFN steps, keyed by the merged plan's token layout."""
+
+    def capture(self, plan: Any, serve: Callable[[], None]) -> None:
+        """Record ``serve()`` (one step's exchanges and compute) for ``plan``."""
+
+    def replay(self, plan: Any) -> bool:
+        """Replay the graph of ``plan``'s layout; False when there is none."""
 
 
 @dataclass
@@ -40,6 +60,8 @@ class FFNLoopStats:
     tokens: int = 0
     compute_s: float = 0.0
     last_batch_tokens: int = 0
+    graph_captures: int = 0
+    graph_replays: int = 0
 
 
 class FFNLoop:
@@ -53,8 +75,10 @@ class FFNLoop:
         *,
         on_exit: Callable[[BaseException | None], None] | None = None,
         on_step: Callable[[Any], None] | None = None,
+        graphs: StepGraphs | None = None,
     ) -> None:
         self.connector = connector
+        self.graphs = graphs
         self.compute = compute
         self.remote_layers = tuple(remote_layers)
         self.on_exit = on_exit
@@ -65,9 +89,38 @@ class FFNLoop:
         self._thread: threading.Thread | None = None
 
     def run_step(self, plan: Any) -> None:
-        """Serve every remote layer and ubatch of one merged plan."""
+        """Serve one merged plan: eagerly, or by capturing or replaying a graph."""
         if self.on_step is not None:
             self.on_step(plan)
+        compute_s = 0.0
+        if plan.mode is ExecMode.CAPTURE:
+            if self.graphs is None:
+                raise AFDConnectorError(
+                    f"step {plan.step_id}: the attention role captures a CUDA "
+                    "graph, but this FFN rank cannot capture graphs on its device"
+                )
+            self.graphs.capture(plan, lambda: self._serve_and_flush(plan))
+            self.stats.graph_captures += 1
+        elif (
+            plan.mode is ExecMode.REPLAY
+            and self.graphs is not None
+            and self.graphs.replay(plan)
+        ):
+            self.connector.account_graph_step()
+            self.stats.graph_replays += 1
+        else:
+            compute_s = self._serve(plan)
+        self.stats.steps += 1
+        self.stats.tokens += plan.num_tokens
+        self.stats.compute_s += compute_s
+        self.stats.last_batch_tokens = plan.num_tokens
+
+    def _serve_and_flush(self, plan: Any) -> None:
+        self._serve(plan)
+        self.connector.flush()
+
+    def _serve(self, plan: Any) -> float:
+        """Every remote layer and ubatch of ``plan``; returns compute seconds."""
         compute_s = 0.0
         for layer_idx in self.remote_layers:
             for ubatch_idx in range(plan.num_ubatches):
@@ -78,10 +131,7 @@ class FFNLoop:
                 out = self.compute(layer_idx, batch)
                 compute_s += time.perf_counter() - start
                 self.connector.send_f2a(layer_idx, ubatch_idx, out)
-        self.stats.steps += 1
-        self.stats.tokens += plan.num_tokens
-        self.stats.compute_s += compute_s
-        self.stats.last_batch_tokens = plan.num_tokens
+        return compute_s
 
     def run(self) -> None:
         """Loop until the peers shut down, :meth:`stop` is called, or an error."""

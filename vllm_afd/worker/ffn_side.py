@@ -25,7 +25,7 @@ from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.worker.endpoint import open_endpoint
-from vllm_afd.worker.ffn_loop import FFNLoop
+from vllm_afd.worker.ffn_loop import FFNLoop, StepGraphs
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
 from vllm_afd.worker.runner_base import AFDRunnerMixin
@@ -96,12 +96,17 @@ class FFNSideMixin(AFDRunnerMixin):
             model.remote_layers,
             on_exit=self._afd_loop_exited,
             on_step=lambda _plan: self.afd_profiler.step(),
+            graphs=self._afd_step_graphs(),
         )
         if endpoint.connector is not None:
             self.afd_metrics = endpoint_publisher(
                 "ffn", endpoint.role_rank, endpoint.connector, self.afd_loop
             )
         self.afd_loop.start()
+
+    def _afd_step_graphs(self) -> StepGraphs | None:
+        """CUDA graphs of whole steps, where the device has them."""
+        return None
 
     def _afd_compile_and_warm_up(self, afd: Any) -> None:
         """Compile the remote layers and run each once per shape class.

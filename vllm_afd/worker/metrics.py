@@ -16,6 +16,7 @@ Metric names (labels ``role``, ``rank``)::
     afd_ffn_compute_seconds_total        FFN compute time (FFN role)
     afd_ffn_tokens_total                 tokens computed (FFN role)
     afd_errors_total                     connector errors
+    afd_ffn_graph_replays_total          steps replayed from CUDA graphs (FFN role)
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ METRICS = {
     "compute_s": ("afd_ffn_compute_seconds", "AFD FFN compute time"),
     "tokens": ("afd_ffn_tokens", "AFD tokens computed by the FFN role"),
     "errors": ("afd_errors", "AFD connector errors"),
+    "graph_replays": (
+        "afd_ffn_graph_replays",
+        "AFD steps the FFN role replayed from CUDA graphs",
+    ),
 }
 
 
@@ -106,6 +111,7 @@ def endpoint_publisher(
         if loop is not None:
             values["compute_s"] = loop.stats.compute_s
             values["tokens"] = loop.stats.tokens
+            values["graph_replays"] = loop.stats.graph_replays
         return values
 
     return MetricsPublisher(role, rank, snapshot).start()

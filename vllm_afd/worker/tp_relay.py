@@ -97,6 +97,14 @@ class TPRelay:
         if self.is_leader:
             self.connector.send_f2a(layer_idx, ubatch_idx, out)
 
+    def flush(self) -> None:
+        if self.is_leader:
+            self.connector.flush()
+
+    def account_graph_step(self) -> None:
+        if self.is_leader:
+            self.connector.account_graph_step()
+
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
