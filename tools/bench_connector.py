@@ -6,10 +6,13 @@ while the FFN echoes the batch back; in the same run and the same processes it
 times a raw ``send`` + ``recv`` of the same tensors on a separate process group
 of the same backend. Raw and connector alternate every iteration (so both see
 the same machine state); medians are reported. Each role is pinned to its own
-CPU core unless ``--no-pin``.
+CPU core unless ``--no-pin``. On CUDA each size is also measured inside CUDA
+graphs (``mode: graph``): 16 round trips recorded per graph, raw NCCL in one,
+the connector's in another, replayed alternately; a round trip is a replay's
+time over 16. Step plans are host messages outside graphs and not included.
 
     python tools/bench_connector.py                       # CPU, Gloo
-    python tools/bench_connector.py --device cuda         # NCCL (+ CUDA graph)
+    python tools/bench_connector.py --device cuda         # NCCL, eager and graph
     python tools/bench_connector.py --json out.json --iters 200
 
 Dimensions: T tokens, H hidden size.
@@ -40,6 +43,8 @@ from vllm_afd.connector import (
 )
 
 LAYERS = 64
+#: round trips recorded in one CUDA graph (one per layer of a decode step)
+GRAPH_LAYERS = 16
 
 
 def _free_port() -> int:
@@ -153,8 +158,67 @@ def _attention(args, port: int, q: Any) -> None:
                  "device": args.device, "mode": "eager", "raw_us": raw_us,
                  "connector_us": conn_us, "ratio": conn_us / raw_us}
             )  # fmt: skip
+            if not gloo:
+                raw_us, conn_us = _graph_attention(args, conn, pg, x, 1000 + step)
+                rows.append(
+                    {"tokens": tok, "hidden": hid, "dtype": args.dtype,
+                     "device": args.device, "mode": "graph", "raw_us": raw_us,
+                     "connector_us": conn_us, "ratio": conn_us / raw_us}
+                )  # fmt: skip
         conn.close()
     q.put(rows)
+
+
+def _graph_attention(args, conn, pg, x: torch.Tensor, step: int) -> tuple[float, float]:
+    """Round trips recorded in CUDA graphs, ``GRAPH_LAYERS`` per graph: raw
+    NCCL send/recv in one graph, the connector's in another; the two replay
+    alternately and each round trip's time is a replay's over GRAPH_LAYERS."""
+    outs = [torch.empty_like(x) for _ in range(GRAPH_LAYERS)]
+    raw_graph, conn_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(raw_graph):
+        for layer in range(GRAPH_LAYERS):
+            w = pg.send([x], 0, layer)
+            r = pg.recv([outs[layer]], 0, layer)
+            w.wait()
+            r.wait()
+    conn.send_plan(StepPlan(step, ExecMode.CAPTURE, (x.shape[0],)))
+    with torch.cuda.graph(conn_graph):
+        for layer in range(GRAPH_LAYERS):
+            sent = conn.send_a2f(layer, 0, x)
+            conn.recv_f2a(layer, 0, out=outs[layer])
+            sent.wait()
+    raw_t: list[float] = []
+    conn_t: list[float] = []
+    for i in range(args.warmup + args.iters):
+        for graph, times in ((raw_graph, raw_t), (conn_graph, conn_t)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append((time.perf_counter() - t0) / GRAPH_LAYERS)
+    assert all(torch.equal(o, x) for o in outs), "echo mismatch"
+    return statistics.median(raw_t) * 1e6, statistics.median(conn_t) * 1e6
+
+
+def _graph_ffn(args, conn, pg, buf: torch.Tensor) -> None:
+    """The FFN half of :func:`_graph_attention`: echo graphs, same order."""
+    raw_graph, conn_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(raw_graph):
+        for layer in range(GRAPH_LAYERS):
+            pg.recv([buf], 1, layer).wait()
+            pg.send([buf], 1, layer).wait()
+    plan = conn.recv_plan()
+    assert plan is not None and plan.mode is ExecMode.CAPTURE
+    with torch.cuda.graph(conn_graph):
+        for layer in range(GRAPH_LAYERS):
+            batch = conn.recv_a2f(layer, 0)
+            conn.send_f2a(layer, 0, batch.hidden)
+        conn.flush()
+    for _ in range(args.warmup + args.iters):
+        raw_graph.replay()
+        conn_graph.replay()
+    torch.cuda.synchronize()
 
 
 def _ffn(args, port: int) -> None:
@@ -172,20 +236,22 @@ def _ffn(args, port: int) -> None:
                 pg.send([buf], 1, i % 1024).wait()
                 batch = conn.recv_a2f(i % LAYERS, 0)
                 conn.send_f2a(i % LAYERS, 0, batch.hidden).wait()
+            if device.type == "cuda":
+                _graph_ffn(args, conn, pg, buf)
         assert conn.recv_plan() is None
         conn.close()
 
 
 def _table(rows: list[dict]) -> str:
     head = (
-        f"{'tokens':>7} {'hidden':>7} {'MiB':>7} {'raw us':>10} {'conn us':>10} "
-        f"{'ratio':>6}"
+        f"{'mode':>6} {'tokens':>7} {'hidden':>7} {'MiB':>7} {'raw us':>10} "
+        f"{'conn us':>10} {'ratio':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         mib = r["tokens"] * r["hidden"] * torch.finfo(getattr(torch, r["dtype"])).bits
         lines.append(
-            f"{r['tokens']:>7} {r['hidden']:>7} {mib / 8 / 2**20:>7.2f} "
+            f"{r['mode']:>6} {r['tokens']:>7} {r['hidden']:>7} {mib / 8 / 2**20:>7.2f} "
             f"{r['raw_us']:>10.1f} {r['connector_us']:>10.1f} {r['ratio']:>6.2f}"
         )
     return "\n".join(lines)

@@ -36,3 +36,81 @@ def test_unreachable_ffn_fails_after_connect_timeout():
     with pytest.raises(AFDTimeoutError, match=f"could not reach 127.0.0.1:{sc.port}"):
         att.start()
     assert time.monotonic() - t0 < 3
+
+
+_FFN_PROGRAM = """
+import sys, time
+sys.path.insert(0, {here!r})
+import _scenarios as S
+ffn = S._connector(S.Scenario("p2p", {port}, 1, 1), "ffn", 0)
+ffn.start()
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def _watched_pair(kill: bool) -> tuple[list[str], float]:
+    """An attention endpoint watching an FFN endpoint that leaves: SIGKILLed
+    (another process) or closed (SHUTDOWN). Returns the messages and the
+    seconds from the FFN leaving to the first message."""
+    import subprocess
+    import threading
+
+    sc = S.Scenario("p2p", S.free_port(), 1, 1)
+    lost: list[str] = []
+    seen = threading.Event()
+    ffn_proc = ffn = None
+    if kill:
+        here = os.path.dirname(os.path.abspath(__file__))
+        program = _FFN_PROGRAM.format(here=here, port=sc.port)
+        ffn_proc = subprocess.Popen(
+            [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True
+        )
+    else:
+        ffn = S._connector(sc, "ffn", 0)
+        threading.Thread(target=ffn.start, daemon=True).start()
+    att = S._connector(sc, "attention", 0)
+    att.start()
+    att.watch_peers(lambda message: (lost.append(message), seen.set()))
+    time.sleep(0.3)
+    assert lost == []  # a live peer is not reported
+    t0 = time.monotonic()
+    if ffn_proc is not None:
+        assert ffn_proc.stdout.readline().strip() == "up"
+        ffn_proc.kill()
+        ffn_proc.wait()
+    else:
+        ffn.close()
+    assert seen.wait(5), "the watch never reported the FFN leaving"
+    elapsed = time.monotonic() - t0
+    time.sleep(0.3)
+    att.close()
+    return lost, elapsed
+
+
+def test_watch_peers_reports_a_killed_ffn_at_once_naming_it():
+    lost, elapsed = _watched_pair(kill=True)
+    assert len(lost) == 1 and elapsed < 2
+    assert lost[0].startswith("ffn rank 0 closed its connection"), lost
+
+
+def test_watch_peers_reports_an_ffn_shutdown_once():
+    lost, _ = _watched_pair(kill=False)
+    assert len(lost) == 1
+    assert lost[0].startswith("ffn rank 0 shut down"), lost
+
+
+def test_watch_peers_is_silent_after_the_watcher_closes():
+    sc = S.Scenario("p2p", S.free_port(), 1, 1)
+    ffn = S._connector(sc, "ffn", 0)
+    import threading
+
+    threading.Thread(target=ffn.start, daemon=True).start()
+    att = S._connector(sc, "attention", 0)
+    att.start()
+    lost: list[str] = []
+    att.watch_peers(lost.append)
+    att.close()
+    ffn.close()
+    time.sleep(1.5)
+    assert lost == []

@@ -27,6 +27,7 @@ handles not waited explicitly are waited at the next step boundary.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,6 +157,22 @@ class AFDConnector(ConnectorCore):
         self._check(FFN, "account_graph_step")
         if self._tokens is not None:
             self._account_graph_step(self._tokens)
+
+    def watch_peers(self, on_lost: Callable[[str], None]) -> None:
+        """Call ``on_lost(message)`` once, from a thread, when the serving FFN
+        rank shuts down or dies; the message names the peer and why.
+
+        For hosts that can block where the connector has no timeout: a CUDA
+        graph replay's transfers are waited on by the device, not by this
+        connector. Nothing is called after :meth:`close`.
+        """
+        self._check(ATT, "watch_peers")
+
+        def lost(peer: int, why: str) -> None:
+            if not self._closed:
+                on_lost(f"{self._peer_name(peer)} {why}")
+
+        self._control.watch_peers(lost)
 
     def send_a2f(
         self,

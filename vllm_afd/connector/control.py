@@ -32,6 +32,7 @@ Implementor's contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_afd.connector.protocol import Fingerprint, StepPlan
@@ -80,6 +81,11 @@ class ControlPlane(ABC):
     @abstractmethod
     def peer_failure(self, peer: int) -> str | None:
         """Why connector rank ``peer`` is gone, or None if nothing is known."""
+
+    def watch_peers(self, on_lost: Callable[[int, str], None]) -> None:  # noqa: B027
+        """Attention: call ``on_lost(peer, why)`` from a thread of the plane's
+        own, once, when the serving FFN rank shuts down or its connection
+        drops. Optional: the default watches nothing."""
 
     @abstractmethod
     def close(self, reason: str = "closed") -> None:

@@ -14,6 +14,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 
 from vllm_afd.config import AFDRole
 from vllm_afd.connector import p2p_rendezvous, protocol
@@ -48,6 +49,7 @@ class P2PControlPlane(ControlPlane):
         self._shutdown: dict[int, str] = {}  # peer index -> reason
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
+        self._io_lock = threading.Lock()
         self._closed = False
 
     def start(self, fingerprint: Fingerprint) -> Rendezvous:
@@ -67,12 +69,37 @@ class P2PControlPlane(ControlPlane):
     # ---------------------------------------------------------- attention
     def send_plan(self, plan: StepPlan) -> None:
         ch = self._channels[0]
-        why = self._failure_of(0)
-        if why is not None:
-            raise AFDPeerError(
-                f"{ch.peer} {why}; cannot send the plan of step {plan.step_id}"
-            )
-        ch.send(plan.to_wire())
+        with self._io_lock:  # the peer watch reads this socket too
+            why = self._failure_of(0)
+            if why is not None:
+                raise AFDPeerError(
+                    f"{ch.peer} {why}; cannot send the plan of step {plan.step_id}"
+                )
+            ch.send(plan.to_wire())
+
+    def watch_peers(self, on_lost: Callable[[int, str], None]) -> None:
+        # The FFN rank sends nothing but SHUTDOWN on this socket, so it turns
+        # readable exactly when the peer leaves (SHUTDOWN or EOF).
+        def watch() -> None:
+            ch = self._channels[0]
+            while not self._closed:
+                try:
+                    ready, _, _ = select.select([self._wake_r, ch.sock], [], [], 1.0)
+                except (OSError, ValueError):
+                    return
+                if self._closed or self._wake_r in ready:
+                    return
+                if not ready:
+                    continue
+                with self._io_lock:
+                    why = self._failure_of(0)
+                if why is not None:
+                    if not self._closed:
+                        on_lost(self._peer_global[0], why)
+                    return
+                time.sleep(0.05)  # readable without a whole frame yet
+
+        threading.Thread(target=watch, name="afd-peer-watch", daemon=True).start()
 
     # ---------------------------------------------------------------- ffn
     def recv_plans(self) -> list[StepPlan] | None:
@@ -158,11 +185,12 @@ class P2PControlPlane(ControlPlane):
                 return
             self._closed = True
         os.write(self._wake_w, b"x")
-        for ch in self._channels:
-            if not ch.eof:
-                with contextlib.suppress(AFDPeerError):
-                    ch.send(protocol.shutdown(reason))
-            ch.close()
+        with self._io_lock:
+            for ch in self._channels:
+                if not ch.eof:
+                    with contextlib.suppress(AFDPeerError):
+                        ch.send(protocol.shutdown(reason))
+                ch.close()
         # The pipe stays open: a recv_plans in another thread may still select
         # on it; it is freed with this object.
 

@@ -12,9 +12,9 @@ lands in the process's :class:`AttentionExchange`::
 CUDA graphs: the plan always travels outside any captured region. A forward
 run under capture sends a CAPTURE plan before the decoder stack is recorded;
 a FULL graph replay never runs the forward, so the runner sends the REPLAY
-plan just before it replays (``worker.cuda_attention``). On CUDA each exchange
-joins the connector's stream back before returning, so a capture records the
-whole NCCL send and receive and nothing of an earlier step.
+plan just before it replays (``worker.cuda_attention``). Under capture the
+exchange joins the connector's stream back before returning, so the graph
+holds the whole NCCL send and receive.
 
 With attention tensor parallelism only TP rank 0 is a connector endpoint; it
 exchanges and broadcasts the F2A result to the other TP ranks, so a TP group
@@ -76,10 +76,10 @@ class AttentionExchange:
         if self.connector is not None:
             sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
             self.connector.recv_f2a(layer_idx, 0, out=out)
-            if hidden.is_cuda:
-                # Orders the current stream after the send (no host wait), so
-                # no send stays in flight across a step: a capture can neither
-                # end with an unjoined send nor wait on work from outside it.
+            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+                # Join the send's stream back before the capture ends (a
+                # stream wait, no host wait); eager sends are waited at the
+                # next step boundary.
                 sent.wait()
         if self.tp_group is not None and self.tp_group.world_size > 1:
             out = self.tp_group.broadcast(out, src=0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 from typing import Any
 
 import torch
@@ -41,6 +44,23 @@ def warn_if_not_bit_exact(vllm_config: Any) -> None:
         )
 
 
+def stop_engine_on_lost_peer(message: str) -> None:
+    """End this engine process at once when its FFN rank is gone (CUDA).
+
+    A FULL CUDA graph replay waits for the FFN's transfers on the device, where
+    no host timeout reaches, and a step cut short by an aborted transfer would
+    sample garbage. Killing the process makes vLLM fail the in-flight requests
+    and stop the server, as it does when an engine dies.
+    """
+    logger.error(
+        "AFD attention role: %s; the NCCL data plane cannot time out inside "
+        "CUDA graphs, so this engine stops now and in-flight requests fail",
+        message,
+    )
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class AttentionSideMixin(AFDRunnerMixin):
     """Opens the connector after load_model and installs the exchange the
     model's proxies call. Mixed in before a native model runner."""
@@ -58,6 +78,8 @@ class AttentionSideMixin(AFDRunnerMixin):
             self.afd_metrics = endpoint_publisher(
                 "attention", endpoint.role_rank, endpoint.connector
             )
+            if endpoint.connector.device.type == "cuda":
+                endpoint.connector.watch_peers(stop_engine_on_lost_peer)
         self.afd_profiler = StepProfiler(
             "attention", endpoint.role_rank, skip=envs.profile_skip()
         )
