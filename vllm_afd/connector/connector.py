@@ -1,7 +1,8 @@
 """The connector facade: the only API model and worker code calls.
 
 Dimensions: T tokens of one attention rank's ubatch, ΣT merged tokens of an
-FFN rank's ubatch, H hidden size, K top-k.
+FFN rank's ubatch, H hidden size, K top-k, C columns of an F2A tensor (H; on
+MoE layers H * ``Fingerprint.moe_output_parts``).
 
 ::
 
@@ -233,21 +234,23 @@ class AFDConnector(ConnectorCore):
     def irecv_f2a(
         self, layer_idx: int, ubatch_idx: int, out: torch.Tensor | None = None
     ) -> RecvHandle:
-        """Start receiving the FFN output ``[T, H]`` for (layer, ubatch).
+        """Start receiving the FFN output ``[T, C]`` for (layer, ubatch); C is
+        :meth:`f2a_cols` (H, or H * ``moe_output_parts`` on MoE layers).
 
         ``out`` receives in place; otherwise a connector buffer is used.
         """
         self._check(ATT, "irecv_f2a")
         n = self._planned(layer_idx, ubatch_idx)
+        cols = self.f2a_cols(layer_idx)
         if out is not None:
-            self._check_tensor("out", out, (n, self._hidden), self._dtype)
+            self._check_tensor("out", out, (n, cols), self._dtype)
         early = self._preposted.pop((layer_idx, ubatch_idx), None)
         if early is not None:  # posted by send_a2f; lands in out on wait()
             if out is not None:
                 early._copy_to = out
             return early
         if n == 0:
-            buf = out if out is not None else torch.empty(0, self._hidden)
+            buf = out if out is not None else torch.empty(0, cols)
             return RecvHandle((), buf.to(self.device, self._dtype), self._wait_all)
         return self._post_f2a(layer_idx, ubatch_idx, n, out)
 
@@ -258,7 +261,8 @@ class AFDConnector(ConnectorCore):
             # Two buffers per ubatch, by layer parity: the output of layer L
             # stays valid while the receive of layer L+1 is in flight.
             slot = 2 * ubatch_idx + (layer_idx & 1)
-            buf = self._buffer("f2a", slot, (n, self._hidden), self._dtype)
+            cols = self.f2a_cols(layer_idx)
+            buf = self._buffer("f2a", slot, (n, cols), self._dtype)
         else:
             buf = out
         key = ExchangeKey(self._plan.step_id, layer_idx, ubatch_idx, Kind.F2A)  # type: ignore[union-attr]
@@ -270,7 +274,7 @@ class AFDConnector(ConnectorCore):
     def recv_f2a(
         self, layer_idx: int, ubatch_idx: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Blocking :meth:`irecv_f2a`: the FFN output ``[T, H]``."""
+        """Blocking :meth:`irecv_f2a`: the FFN output ``[T, C]``."""
         return self.irecv_f2a(layer_idx, ubatch_idx, out).wait()
 
     # ------------------------------------------------------------------- ffn
@@ -342,10 +346,11 @@ class AFDConnector(ConnectorCore):
     def send_f2a(
         self, layer_idx: int, ubatch_idx: int, out: torch.Tensor
     ) -> SendHandle:
-        """Start returning ``out [ΣT, H]`` to the peers, each its own slice."""
+        """Start returning ``out [ΣT, C]`` to the peers, each its own slice."""
         self._check(FFN, "send_f2a")
         total = self._planned(layer_idx, ubatch_idx)
-        self._check_tensor("out", out, (total, self._hidden), self._dtype)
+        cols = self.f2a_cols(layer_idx)
+        self._check_tensor("out", out, (total, cols), self._dtype)
         out = out.contiguous()
         m = self._merged
         key = ExchangeKey(m.step_id, layer_idx, ubatch_idx, Kind.F2A)  # type: ignore[union-attr]

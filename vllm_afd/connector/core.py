@@ -80,6 +80,11 @@ class ConnectorCore:
         self._top_k = fingerprint.top_k
         self._gate = fingerprint.compute_gate_on_attention
         self._moe_layers = frozenset(fingerprint.moe_layers)
+        # F2A columns by layer: H, or H * moe_output_parts for MoE layers.
+        self._f2a_cols = {
+            layer: self._hidden * fingerprint.moe_output_parts
+            for layer in fingerprint.moe_layers
+        }
         other = FFN if role is ATT else ATT
         self._peer_ranks = topology.peers(role, role_rank)
         self._peers = tuple(topology.global_rank(other, p) for p in self._peer_ranks)
@@ -214,11 +219,14 @@ class ConnectorCore:
     def _account_graph_step(self, ubatch_tokens: Sequence[int]) -> None:
         """Count the bytes of a step replayed from a CUDA graph, whose
         exchanges never reach Python."""
-        tokens = sum(ubatch_tokens)
-        per_token = self._hidden * self._dtype.itemsize
+        tokens, size = sum(ubatch_tokens), self._dtype.itemsize
         routing = 2 * 4 * self._top_k if self._gate else 0
-        self._a2f_bytes += len(self._layers) * tokens * (per_token + routing)
-        self._f2a_bytes += len(self._layers) * tokens * per_token
+        self._a2f_bytes += len(self._layers) * tokens * (self._hidden * size + routing)
+        self._f2a_bytes += tokens * size * sum(map(self.f2a_cols, self._layers))
+
+    def f2a_cols(self, layer_idx: int) -> int:
+        """Columns of layer ``layer_idx``'s F2A tensor (H or H * parts)."""
+        return self._f2a_cols.get(layer_idx, self._hidden)
 
     def _step_timeout(self) -> float:
         """``timeout_s``, or ``warmup_timeout_s`` in WARMUP/CAPTURE steps."""

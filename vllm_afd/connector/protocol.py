@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Frames larger than this are not control messages: the peer speaks another
 # protocol (or is not a vllm-afd endpoint at all).
@@ -182,6 +182,9 @@ class Fingerprint:
         num_ffn_ranks: F.
         compute_gate_on_attention: routing is computed by attention and shipped.
         connector: canonical connector name.
+        moe_output_parts: F2A columns of an MoE layer, in units of H: 1 (the
+            MoE output) or 2 (shared then routed expert outputs, which the
+            attention role adds; see ``vllm_afd.models.moe_tail``).
     """
 
     arch: str
@@ -195,6 +198,7 @@ class Fingerprint:
     num_ffn_ranks: int
     compute_gate_on_attention: bool
     connector: str
+    moe_output_parts: int = 1
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from vllm.config import VllmConfig
@@ -35,6 +36,7 @@ from vllm_afd.connector.payloads import Routing
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.models.exchange import current_exchange
+from vllm_afd.models.moe_tail import MoEOutputParts, moe_output_parts
 from vllm_afd.models.ownership import LayerLayout, weight_owner
 from vllm_afd.models.proxies import AFDDenseProxy, AFDMoEProxy
 from vllm_afd.models.routing import AbsentGate, AFDGateProxy, ShippedRouting
@@ -200,9 +202,16 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
         self.remote_layers = self.layout.remote_layers(afd.compute_gate_on_attention)
         self.shipped_routing: dict[int, ShippedRouting] = {}
         self.compiled_ffn: dict[int, torch.nn.Module] = {}
+        # MoE layers whose shared and routed outputs ship apart (moe_tail).
+        self.moe_parts: dict[int, MoEOutputParts] = {}
         if afd.is_ffn and afd.compute_gate_on_attention:
             self.shipped_routing = {
                 i: ShippedRouting(self.model.layers[i].mlp.experts.router)
+                for i in self.layout.moe_layers
+            }
+        if afd.is_ffn and moe_output_parts(vllm_config) == 2:
+            self.moe_parts = {
+                i: MoEOutputParts(self.model.layers[i].mlp)
                 for i in self.layout.moe_layers
             }
         logger.info(
@@ -246,14 +255,19 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
         """Run layer ``layer_idx``'s dense MLP or MoE on ``hidden [T, H]``.
 
         With ``compute_gate_on_attention`` the routing computed on attention
-        (``topk_weights``/``topk_ids [T, K]``) replaces the gate.
+        (``topk_weights``/``topk_ids [T, K]``) replaces the gate. MoE layers
+        in :attr:`moe_parts` return ``[T, 2H]``: shared | routed outputs.
         """
         if routing is not None:
             self.shipped_routing[layer_idx].use(routing.topk_weights, routing.topk_ids)
-        mlp = self.compiled_ffn.get(layer_idx)
-        if mlp is None:
-            mlp = self.model.layers[layer_idx].mlp
-        return mlp(hidden)
+        return self._ffn_fn(layer_idx)(hidden)
+
+    def _ffn_fn(self, layer_idx: int) -> Any:
+        compiled = self.compiled_ffn.get(layer_idx)
+        if compiled is not None:
+            return compiled
+        parts = self.moe_parts.get(layer_idx)
+        return parts.forward if parts is not None else self.model.layers[layer_idx].mlp
 
     def compile_ffn(self) -> None:
         """``torch.compile`` each remote MLP/MoE, as vLLM compiles the model.
@@ -273,8 +287,7 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit
         )
         self.compiled_ffn = {
-            i: torch.compile(self.model.layers[i].mlp, dynamic=True)
-            for i in self.remote_layers
+            i: torch.compile(self._ffn_fn(i), dynamic=True) for i in self.remote_layers
         }
 
     # ---- both -----------------------------------------------------------

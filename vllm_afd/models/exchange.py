@@ -66,13 +66,14 @@ class AttentionExchange:
         hidden: torch.Tensor,
         layer_idx: int,
         routing: Routing | None = None,
+        parts: int = 1,
     ) -> torch.Tensor:
         """Ship ``hidden [T, H]`` (and routing) for ``layer_idx``; return the
-        FFN output ``[T, H]``."""
+        FFN output ``[T, parts * H]``."""
         # The op returns storage of its own: a compiled graph may still read
         # this layer's output after the next exchange, and under CUDA graph
         # capture the receive lands in the graph's memory pool.
-        out = torch.empty_like(hidden)
+        out = hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
         if self.connector is not None:
             sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
             self.connector.recv_f2a(layer_idx, 0, out=out)
@@ -104,12 +105,14 @@ def current_exchange() -> AttentionExchange:
     return _current
 
 
-def _ffn_exchange(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    return current_exchange().exchange(hidden, layer_idx)
+def _ffn_exchange(hidden: torch.Tensor, layer_idx: int, parts: int = 1) -> torch.Tensor:
+    return current_exchange().exchange(hidden, layer_idx, parts=parts)
 
 
-def _ffn_exchange_fake(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    return torch.empty_like(hidden)
+def _ffn_exchange_fake(
+    hidden: torch.Tensor, layer_idx: int, parts: int = 1
+) -> torch.Tensor:
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
 
 
 def _ffn_exchange_routed(
@@ -117,12 +120,13 @@ def _ffn_exchange_routed(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     layer_idx: int,
+    parts: int = 1,
 ) -> torch.Tensor:
     routing = Routing(
         topk_weights=topk_weights.to(torch.float32).contiguous(),
         topk_ids=topk_ids.to(torch.int32).contiguous(),
     )
-    return current_exchange().exchange(hidden, layer_idx, routing)
+    return current_exchange().exchange(hidden, layer_idx, routing, parts)
 
 
 def _ffn_exchange_routed_fake(
@@ -130,18 +134,19 @@ def _ffn_exchange_routed_fake(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     layer_idx: int,
+    parts: int = 1,
 ) -> torch.Tensor:
-    return torch.empty_like(hidden)
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
 
 
 _lib = torch.library.Library("vllm_afd", "FRAGMENT")
-_lib.define("ffn_exchange(Tensor hidden, int layer_idx) -> Tensor")
+_lib.define("ffn_exchange(Tensor hidden, int layer_idx, int parts=1) -> Tensor")
 _lib.impl("ffn_exchange", _ffn_exchange, "CPU")
 _lib.impl("ffn_exchange", _ffn_exchange, "CUDA")
 torch.library.register_fake("vllm_afd::ffn_exchange", _ffn_exchange_fake, lib=_lib)
 _lib.define(
     "ffn_exchange_routed(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
-    "int layer_idx) -> Tensor"
+    "int layer_idx, int parts=1) -> Tensor"
 )
 _lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CPU")
 _lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CUDA")
@@ -150,9 +155,9 @@ torch.library.register_fake(
 )
 
 
-def ffn_exchange(hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """The custom op the attention-side proxies call."""
-    return torch.ops.vllm_afd.ffn_exchange(hidden, layer_idx)
+def ffn_exchange(hidden: torch.Tensor, layer_idx: int, parts: int = 1) -> torch.Tensor:
+    """The custom op the attention-side proxies call: ``[T, parts * H]``."""
+    return torch.ops.vllm_afd.ffn_exchange(hidden, layer_idx, parts)
 
 
 def ffn_exchange_routed(
@@ -160,8 +165,9 @@ def ffn_exchange_routed(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     layer_idx: int,
+    parts: int = 1,
 ) -> torch.Tensor:
     """The custom op of MoE proxies that route on attention."""
     return torch.ops.vllm_afd.ffn_exchange_routed(
-        hidden, topk_weights, topk_ids, layer_idx
+        hidden, topk_weights, topk_ids, layer_idx, parts
     )

@@ -79,6 +79,7 @@ class AFDGateProxy(AFDMoEProxy):
         )
         self.router, bias = native_router(config, apply_routed_scale_to_output)
         self.gate.e_score_correction_bias = bias
+        self.set_moe_tail(config, apply_routed_scale_to_output)
 
     def forward(
         self, hidden_states: torch.Tensor, already_sequence_parallel: bool = False
@@ -87,9 +88,10 @@ class AFDGateProxy(AFDMoEProxy):
         topk_weights, topk_ids = self.router.select_experts(
             hidden_states=hidden_states, router_logits=logits
         )
-        return ffn_exchange_routed(
-            hidden_states, topk_weights, topk_ids, self.layer_idx
+        out = ffn_exchange_routed(
+            hidden_states, topk_weights, topk_ids, self.layer_idx, self.parts
         )
+        return self.finish(out, hidden_states.shape[-1])
 
 
 class AbsentGate(nn.Module):

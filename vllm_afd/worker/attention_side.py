@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm_afd import envs
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import AttentionExchange, install_exchange
+from vllm_afd.models.moe_tail import moe_output_parts
 from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
@@ -26,19 +27,26 @@ logger = init_logger(__name__)
 def warn_if_not_bit_exact(vllm_config: Any) -> None:
     """Say so when AFD output may differ from plain vLLM in the last bits.
 
-    Compiled, plain vLLM fuses each MoE block's closing element-wise ops into
-    the next layer's residual add and RMSNorm, so the MoE output is never
-    rounded to 16 bits; AFD receives it rounded. fp32 and eager runs are
-    bit-exact.
+    Compiled 16-bit models ship each MoE layer's shared and routed outputs
+    apart, so the attention role adds them as plain vLLM does (see
+    ``vllm_afd.models.moe_tail``). That needs shared experts; without them
+    the MoE output crosses the connector rounded, where compiled vLLM fuses it
+    into the next norm unrounded.
     """
     dtype = vllm_config.model_config.dtype
     compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
-    if compiled and dtype in (torch.bfloat16, torch.float16):
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if (
+        compiled
+        and dtype in (torch.bfloat16, torch.float16)
+        and tp == 1
+        and moe_output_parts(vllm_config) == 1
+    ):
         logger.warning(
-            "AFD with %s and torch.compile: greedy output can differ from plain "
-            "vLLM in rare near-ties (the MoE output crosses the connector "
-            "rounded to %s, where compiled vLLM fuses it into the next norm). "
-            "Use --enforce-eager or float32 for bit-exact parity",
+            "AFD with %s, torch.compile and a model without shared experts: "
+            "greedy output can differ from plain vLLM in rare near-ties (the "
+            "MoE output crosses the connector rounded to %s). Use "
+            "--enforce-eager or float32 for bit-exact parity",
             dtype,
             dtype,
         )

@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm_afd.config import AFDConfig
 from vllm_afd.connector import factory
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint
+from vllm_afd.models.moe_tail import moe_output_parts
 from vllm_afd.models.ownership import LayerLayout
 from vllm_afd.topology import Topology, endpoint_rank
 
@@ -57,6 +58,7 @@ def fingerprint_of(vllm_config: VllmConfig, afd: AFDConfig) -> Fingerprint:
         num_ffn_ranks=afd.num_ffn_ranks,
         compute_gate_on_attention=afd.compute_gate_on_attention,
         connector=afd.connector,
+        moe_output_parts=moe_output_parts(vllm_config),
     )
 
 
