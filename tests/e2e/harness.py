@@ -130,6 +130,63 @@ def run_workload(url: str, model: str, texts: list[str]) -> list[Completion]:
         return list(pool.map(lambda j: complete(url, model, *j), jobs))
 
 
+def plain_outputs(
+    spec: DeploymentSpec,
+    texts: list[str],
+    log: Any = None,
+    devices: str | None = None,
+    ready_timeout: float = 600.0,
+) -> list[Completion]:
+    """The workload's outputs from plain vLLM with ``spec``'s settings (one
+    server lifetime; ``devices`` sets its ``CUDA_VISIBLE_DEVICES``)."""
+    plain = PlainServer(spec, log=log)
+    if devices is not None:
+        plain.process.env = {**plain.process.env, "CUDA_VISIBLE_DEVICES": devices}
+    plain.start(ready_timeout=ready_timeout)
+    try:
+        return run_workload(plain.url, served_model(plain.url), texts)
+    finally:
+        plain.stop()
+
+
+def _long_request(url: str, model: str, max_tokens: int, outcome: dict) -> None:
+    start = time.monotonic()
+    try:
+        out = complete(url, model, "experts " * 50, max_tokens, True, timeout=120)
+        n = len(out.token_ids)
+        outcome["result"] = "completed" if n == max_tokens else f"failed: {n} tokens"
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        outcome["result"] = f"failed: {exc!r}"
+    outcome["seconds"] = time.monotonic() - start
+
+
+def kill_ffn_mid_stream(
+    afd: Deployment, max_tokens: int, after_s: float, join_s: float
+) -> dict:
+    """SIGKILL the whole FFN server ``after_s`` into a streamed request of
+    ``max_tokens``; returns how the request ended (``result``), whether it was
+    still hanging ``join_s`` later (``hung``), ``seconds_after_kill``, and the
+    served ``model`` name."""
+    import os
+    import signal
+
+    model = served_model(afd.api_url)
+    complete(afd.api_url, model, "warm up", 4, stream=False)
+    outcome: dict = {"model": model}
+    worker = threading.Thread(
+        target=_long_request, args=(afd.api_url, model, max_tokens, outcome)
+    )
+    worker.start()
+    time.sleep(after_s)
+    killed_at = time.monotonic()
+    # The whole FFN server: API server, engine core and worker processes.
+    os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+    worker.join(join_s)
+    outcome["hung"] = worker.is_alive()
+    outcome["seconds_after_kill"] = time.monotonic() - killed_at
+    return outcome
+
+
 def served_model(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
         return json.loads(resp.read())["data"][0]["id"]

@@ -16,10 +16,10 @@ import json
 import pytest
 from harness import (
     Deployment,
-    PlainServer,
     assert_same_outputs,
     http_error,
     make_spec,
+    plain_outputs,
     prompts,
     run_workload,
     served_model,
@@ -68,12 +68,7 @@ def test_afd_1a1f_greedy_output_equals_plain_vllm(
     finally:
         afd.stop()
 
-    plain = PlainServer(spec, log=None)
-    plain.start()
-    try:
-        plain_out = run_workload(plain.url, served_model(plain.url), texts)
-    finally:
-        plain.stop()
+    plain_out = plain_outputs(spec, texts)
 
     assert_same_outputs(afd_out, plain_out, ATOL[dtype])
     # The FFN role answers no completions, with an error that says where to go.

@@ -7,16 +7,19 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from harness import Deployment, LogSink, complete, make_spec, served_model
+from harness import (
+    Deployment,
+    LogSink,
+    complete,
+    kill_ffn_mid_stream,
+    make_spec,
+    served_model,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,36 +38,14 @@ def _start(tiny_models, log):
     return afd
 
 
-def _long_request(url: str, model: str, outcome: dict) -> None:
-    start = time.monotonic()
-    try:
-        out = complete(url, model, "experts " * 50, LONG, stream=True, timeout=120)
-        n = len(out.token_ids)
-        outcome["result"] = "completed" if n == LONG else f"failed: {n} tokens"
-    except (urllib.error.URLError, OSError, json.JSONDecodeError, KeyError) as exc:
-        outcome["result"] = f"failed: {exc!r}"
-    outcome["seconds"] = time.monotonic() - start
-
-
 def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
     log = LogSink()
     afd = _start(tiny_models, log)
     try:
-        model = served_model(afd.api_url)
-        complete(afd.api_url, model, "warm up", 4, stream=False)
-        outcome: dict = {}
-        worker = threading.Thread(
-            target=_long_request, args=(afd.api_url, model, outcome)
-        )
-        worker.start()
-        time.sleep(2.0)
-        killed_at = time.monotonic()
-        # The whole FFN server: API server, engine core and worker processes.
-        os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
-        worker.join(TIMEOUT_S + 60)
-        assert not worker.is_alive(), "in-flight request hung after the FFN died"
+        outcome = kill_ffn_mid_stream(afd, LONG, after_s=2.0, join_s=TIMEOUT_S + 60)
+        assert not outcome["hung"], "in-flight request hung after the FFN died"
         assert outcome["result"].startswith("failed"), outcome
-        assert time.monotonic() - killed_at < TIMEOUT_S + 60
+        model = outcome["model"]
         # A new request fails too (error response or refused connection).
         with pytest.raises((urllib.error.URLError, OSError)):
             complete(afd.api_url, model, "after", 4, stream=False, timeout=60)

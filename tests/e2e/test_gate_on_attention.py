@@ -4,7 +4,8 @@
   ships ``topk_weights``/``topk_ids`` with the hidden states; dense MLP
   layers run on attention; the FFN holds experts only, never the gate.
   DeepSeek-V2 (softmax) and DeepSeek-V3 (sigmoid, correction bias, grouped
-  top-k), fp32, against plain vLLM.
+  top-k), fp32, against plain vLLM; and DeepSeek-V3 compiled in bf16, where
+  the FFN also ships shared and routed expert outputs apart.
 * Default (gate on FFN): the attention role holds no MLP/MoE bytes at all.
 
 A2F bytes are checked against the layout: per token and remote layer,
@@ -21,10 +22,10 @@ import pytest
 from harness import (
     Deployment,
     LogSink,
-    PlainServer,
     assert_same_outputs,
     make_spec,
     parameter_bytes,
+    plain_outputs,
     prompts,
     run_workload,
     served_model,
@@ -38,10 +39,13 @@ pytestmark = pytest.mark.e2e
 ATTENTION_ONLY = ("embed_tokens", "lm_head", "norms", "attention")
 
 
-def _run(tiny_models, arch, gate_on_attention):
+FP32_EAGER = ["--dtype", "float32", "--enforce-eager"]
+
+
+def _run(tiny_models, arch, gate_on_attention, args=FP32_EAGER):
     spec = make_spec(
         tiny_models[arch],
-        ["--dtype", "float32", "--enforce-eager"],
+        args,
         gate_on_attention=gate_on_attention,
     )
     texts = prompts(16)
@@ -53,12 +57,7 @@ def _run(tiny_models, arch, gate_on_attention):
         ffn_metrics = settled_metrics(afd.ffn.url)
     finally:
         afd.stop()
-    plain = PlainServer(spec, log=None)
-    plain.start()
-    try:
-        plain_out = run_workload(plain.url, served_model(plain.url), texts)
-    finally:
-        plain.stop()
+    plain_out = plain_outputs(spec, texts)
     return afd_out, plain_out, parameter_bytes(log.getvalue()), ffn_metrics
 
 
@@ -102,3 +101,16 @@ def test_gate_on_ffn_attention_holds_no_mlp_bytes(tiny_models):
     per_token = cfg["num_hidden_layers"] * cfg["hidden_size"] * 4
     tokens = ffn_metrics[("afd_ffn_tokens", "ffn", "0")]
     assert ffn_metrics[("afd_a2f_bytes", "ffn", "0")] == tokens * per_token
+
+
+def test_gate_on_attention_compiled_bf16_exact(tiny_models):
+    afd_out, plain_out, _, ffn_metrics = _run(
+        tiny_models, "deepseek_v3", True, ["--dtype", "bfloat16"]
+    )
+    assert_same_outputs(afd_out, plain_out, atol=1e-2)
+    # F2A: shared | routed outputs, 2 H bf16 values per token and MoE layer.
+    cfg = _config(tiny_models["deepseek_v3"])
+    layout = LayerLayout(cfg["num_hidden_layers"], cfg["first_k_dense_replace"])
+    tokens = ffn_metrics[("afd_ffn_tokens", "ffn", "0")]
+    per_token = len(layout.moe_layers) * 2 * cfg["hidden_size"] * 2
+    assert ffn_metrics[("afd_f2a_bytes", "ffn", "0")] == tokens * per_token

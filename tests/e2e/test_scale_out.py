@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 from harness import (
     Deployment,
-    PlainServer,
     assert_same_outputs,
     make_spec,
+    plain_outputs,
     prompts,
     run_workload,
     served_model,
@@ -47,14 +47,7 @@ _plain_outputs: dict[tuple[str, ...], list] = {}
 def _baseline(spec, texts):
     key = tuple(spec.vllm_args)
     if key not in _plain_outputs:
-        plain = PlainServer(spec, log=None)
-        plain.start()
-        try:
-            _plain_outputs[key] = run_workload(
-                plain.url, served_model(plain.url), texts
-            )
-        finally:
-            plain.stop()
+        _plain_outputs[key] = plain_outputs(spec, texts)
     return _plain_outputs[key]
 
 

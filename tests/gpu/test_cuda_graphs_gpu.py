@@ -26,9 +26,9 @@ from gpu_harness import on_devices
 from harness import (
     Completion,
     Deployment,
-    PlainServer,
     assert_same_outputs,
     make_spec,
+    plain_outputs,
     prompts,
     run_workload,
     served_model,
@@ -61,13 +61,7 @@ def _afd_and_plain(
         finally:
             afd.stop()
     with (tmp_path / "plain.log").open("w") as log:
-        plain = PlainServer(spec, log=log)
-        on_devices(plain.process, "0")
-        try:
-            plain.start(ready_timeout=600)
-            plain_out = run_workload(plain.url, served_model(plain.url), texts)
-        finally:
-            plain.stop()
+        plain_out = plain_outputs(spec, texts, log=log, devices="0")
     pairs = zip(afd_out, plain_out, strict=True)
     same = sum(a.token_ids == p.token_ids for a, p in pairs)
     print(

@@ -15,9 +15,9 @@ import pytest
 from gpu_harness import GPU_ARGS, nccl_ranks_seen, on_devices
 from harness import (
     Deployment,
-    PlainServer,
     assert_same_outputs,
     make_spec,
+    plain_outputs,
     prompts,
     run_workload,
     served_model,
@@ -52,13 +52,7 @@ def test_afd_1a1f_two_gpus_nccl_greedy_output_equals_plain_vllm(
             afd.stop()
 
     with (tmp_path / "plain.log").open("w") as log:
-        plain = PlainServer(spec, log=log)
-        on_devices(plain.process, "0")
-        try:
-            plain.start(ready_timeout=300)
-            plain_out = run_workload(plain.url, served_model(plain.url), texts)
-        finally:
-            plain.stop()
+        plain_out = plain_outputs(spec, texts, log=log, devices="0")
 
     assert_same_outputs(afd_out, plain_out, ATOL)
     # The data plane is one NCCL communicator of the two role processes.

@@ -8,15 +8,17 @@ within seconds, new requests fail, and the attention log names the FFN peer.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 import urllib.error
 
 import pytest
 from gpu_harness import on_devices
-from harness import Deployment, LogSink, complete, make_spec, served_model
+from harness import (
+    Deployment,
+    LogSink,
+    complete,
+    kill_ffn_mid_stream,
+    make_spec,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,15 +35,6 @@ GRAPHS = [
 LONG = 3500  # new tokens: seconds of graph decode, far past the kill
 
 
-def _long_request(url: str, model: str, outcome: dict) -> None:
-    try:
-        out = complete(url, model, "experts " * 50, LONG, stream=True, timeout=120)
-        n = len(out.token_ids)
-        outcome["result"] = "completed" if n == LONG else f"failed: {n} tokens"
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
-        outcome["result"] = f"failed: {exc!r}"
-
-
 def test_ffn_killed_during_graph_decode_fails_requests_at_once(gpu_tiny_models):
     log = LogSink()
     afd = Deployment(make_spec(gpu_tiny_models["deepseek_v2"], GRAPHS), log=log)
@@ -49,20 +42,11 @@ def test_ffn_killed_during_graph_decode_fails_requests_at_once(gpu_tiny_models):
     on_devices(afd.ffn, "1")
     try:
         afd.start(ready_timeout=600)
-        model = served_model(afd.api_url)
-        complete(afd.api_url, model, "warm up", 4, stream=False)
-        outcome: dict = {}
-        worker = threading.Thread(
-            target=_long_request, args=(afd.api_url, model, outcome)
-        )
-        worker.start()
-        time.sleep(1.5)
-        killed_at = time.monotonic()
-        os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
-        worker.join(60)
-        assert not worker.is_alive(), "in-flight request hung after the FFN died"
+        outcome = kill_ffn_mid_stream(afd, LONG, after_s=1.5, join_s=60)
+        assert not outcome["hung"], "in-flight request hung after the FFN died"
         assert outcome["result"].startswith("failed"), outcome
-        print(f"stream failed {time.monotonic() - killed_at:.1f} s after the kill")
+        print(f"stream failed {outcome['seconds_after_kill']:.1f} s after the kill")
+        model = outcome["model"]
         with pytest.raises((urllib.error.URLError, OSError)):
             complete(afd.api_url, model, "after", 4, stream=False, timeout=60)
     finally:
