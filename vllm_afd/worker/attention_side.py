@@ -13,8 +13,14 @@ from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
 from vllm_afd import envs
+from vllm_afd.connector.protocol import ExecMode
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.models.deepseek import afd_config_of
-from vllm_afd.models.exchange import AttentionExchange, install_exchange
+from vllm_afd.models.exchange import (
+    AttentionExchange,
+    current_exchange,
+    install_exchange,
+)
 from vllm_afd.models.moe_tail import moe_output_parts
 from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.metrics import endpoint_publisher
@@ -67,6 +73,21 @@ def stop_engine_on_lost_peer(message: str) -> None:
     )
     logging.shutdown()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def announce_replays(manager: Any) -> None:
+    """Send a REPLAY plan before each FULL graph replay of ``manager``."""
+    replay = manager.run_fullgraph
+
+    def run_fullgraph(desc: Any) -> Any:
+        if desc.num_ubatches > 1:
+            raise AFDConfigError(
+                "AFD does not support micro-batched (DBO) CUDA graphs yet"
+            )
+        current_exchange().begin_step(desc.num_tokens, ExecMode.REPLAY)
+        return replay(desc)
+
+    manager.run_fullgraph = run_fullgraph
 
 
 class AttentionSideMixin(AFDRunnerMixin):

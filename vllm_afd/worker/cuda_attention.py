@@ -16,10 +16,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.compat.workers import CUDA_DEFAULT_WORKER, check_runner_generation
-from vllm_afd.connector.protocol import ExecMode
-from vllm_afd.errors import AFDConfigError
-from vllm_afd.models.exchange import current_exchange
-from vllm_afd.worker.attention_side import AttentionSideMixin
+from vllm_afd.worker.attention_side import AttentionSideMixin, announce_replays
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
 
 
@@ -46,21 +43,6 @@ class AFDAttentionModelRunner(AttentionSideMixin, GPUModelRunner):
         if manager is not None:
             announce_replays(manager)
         self.__dict__["_afd_cudagraph_manager"] = manager
-
-
-def announce_replays(manager: Any) -> None:
-    """Send a REPLAY plan before each FULL graph replay of ``manager``."""
-    replay = manager.run_fullgraph
-
-    def run_fullgraph(desc: Any) -> Any:
-        if desc.num_ubatches > 1:
-            raise AFDConfigError(
-                "AFD does not support micro-batched (DBO) CUDA graphs yet"
-            )
-        current_exchange().begin_step(desc.num_tokens, ExecMode.REPLAY)
-        return replay(desc)
-
-    manager.run_fullgraph = run_fullgraph
 
 
 class AFDAttentionWorker(Worker):
