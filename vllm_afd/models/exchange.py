@@ -73,7 +73,7 @@ class AttentionExchange:
         # The op returns storage of its own: a compiled graph may still read
         # this layer's output after the next exchange, and under CUDA graph
         # capture the receive lands in the graph's memory pool.
-        out = hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
+        out = _output_like(hidden, parts)
         if self.connector is not None:
             sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
             self.connector.recv_f2a(layer_idx, 0, out=out)
@@ -109,10 +109,15 @@ def _ffn_exchange(hidden: torch.Tensor, layer_idx: int, parts: int = 1) -> torch
     return current_exchange().exchange(hidden, layer_idx, parts=parts)
 
 
+def _output_like(hidden: torch.Tensor, parts: int) -> torch.Tensor:
+    """An uninitialised exchange output for ``hidden [T, H]``: ``[T, parts * H]``."""
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
+
+
 def _ffn_exchange_fake(
     hidden: torch.Tensor, layer_idx: int, parts: int = 1
 ) -> torch.Tensor:
-    return hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
+    return _output_like(hidden, parts)
 
 
 def _ffn_exchange_routed(
@@ -136,7 +141,7 @@ def _ffn_exchange_routed_fake(
     layer_idx: int,
     parts: int = 1,
 ) -> torch.Tensor:
-    return hidden.new_empty((hidden.shape[0], hidden.shape[1] * parts))
+    return _output_like(hidden, parts)
 
 
 _lib = torch.library.Library("vllm_afd", "FRAGMENT")

@@ -30,18 +30,23 @@ from vllm_afd.errors import AFDCompatError
 _CAPTURED = "_maybe_apply_routed_scale_to_output"
 
 
-def moe_output_parts(vllm_config: Any) -> int:
-    """F2A columns of an MoE layer in units of H: 2 when the attention role
-    must do the closing add itself (see the module docstring), else 1."""
+def closing_add_fused(vllm_config: Any) -> bool:
+    """Whether plain vLLM fuses the MoE's closing add into the next norm
+    unrounded: compiled, bf16/fp16, and no all-reduce of the sum (TP 1)."""
     from vllm.config import CompilationMode
 
     compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
-    dtype = vllm_config.model_config.dtype
+    sixteen_bit = vllm_config.model_config.dtype in (torch.bfloat16, torch.float16)
     tp = vllm_config.parallel_config.tensor_parallel_size
-    hf = vllm_config.model_config.hf_config
-    shared = getattr(hf, "n_shared_experts", None)
-    sixteen_bit = dtype in (torch.bfloat16, torch.float16)
-    return 2 if compiled and sixteen_bit and tp == 1 and shared else 1
+    return compiled and sixteen_bit and tp == 1
+
+
+def moe_output_parts(vllm_config: Any) -> int:
+    """F2A columns of an MoE layer in units of H: 2 when the attention role
+    must do the closing add itself (see the module docstring), else 1. The
+    parts need shared experts."""
+    shared = getattr(vllm_config.model_config.hf_config, "n_shared_experts", None)
+    return 2 if closing_add_fused(vllm_config) and shared else 1
 
 
 def routed_scale(config: Any, apply_routed_scale_to_output: bool) -> float:

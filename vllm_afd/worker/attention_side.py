@@ -7,8 +7,6 @@ import os
 import signal
 from typing import Any
 
-import torch
-from vllm.config import CompilationMode
 from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
@@ -21,7 +19,7 @@ from vllm_afd.models.exchange import (
     current_exchange,
     install_exchange,
 )
-from vllm_afd.models.moe_tail import moe_output_parts
+from vllm_afd.models.moe_tail import closing_add_fused, moe_output_parts
 from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
@@ -39,15 +37,8 @@ def warn_if_not_bit_exact(vllm_config: Any) -> None:
     the MoE output crosses the connector rounded, where compiled vLLM fuses it
     into the next norm unrounded.
     """
-    dtype = vllm_config.model_config.dtype
-    compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if (
-        compiled
-        and dtype in (torch.bfloat16, torch.float16)
-        and tp == 1
-        and moe_output_parts(vllm_config) == 1
-    ):
+    if closing_add_fused(vllm_config) and moe_output_parts(vllm_config) == 1:
+        dtype = vllm_config.model_config.dtype
         logger.warning(
             "AFD with %s, torch.compile and a model without shared experts: "
             "greedy output can differ from plain vLLM in rare near-ties (the "

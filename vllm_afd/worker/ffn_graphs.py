@@ -26,9 +26,6 @@ class CudaStepGraphs:
         self._graphs: dict[tuple[tuple[int, ...], ...], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
-    def __len__(self) -> int:
-        return len(self._graphs)
-
     def capture(self, plan: Any, serve: Callable[[], None]) -> None:
         # The attention role captures again after its memory profiling drops
         # its first graphs; the FFN's graph of the layout is replaced too.
