@@ -160,19 +160,21 @@ def _long_request(url: str, model: str, max_tokens: int, outcome: dict) -> None:
     outcome["seconds"] = time.monotonic() - start
 
 
-def kill_ffn_mid_stream(
+def assert_ffn_kill_fails_requests(
     afd: Deployment, max_tokens: int, after_s: float, join_s: float
-) -> dict:
+) -> float:
     """SIGKILL the whole FFN server ``after_s`` into a streamed request of
-    ``max_tokens``; returns how the request ended (``result``), whether it was
-    still hanging ``join_s`` later (``hung``), ``seconds_after_kill``, and the
-    served ``model`` name."""
+    ``max_tokens``: the request must end in failure within ``join_s``, and a
+    new request must fail too. Returns the seconds from the kill to the
+    failed request's end."""
     import os
     import signal
 
+    import pytest
+
     model = served_model(afd.api_url)
     complete(afd.api_url, model, "warm up", 4, stream=False)
-    outcome: dict = {"model": model}
+    outcome: dict = {}
     worker = threading.Thread(
         target=_long_request, args=(afd.api_url, model, max_tokens, outcome)
     )
@@ -182,9 +184,14 @@ def kill_ffn_mid_stream(
     # The whole FFN server: API server, engine core and worker processes.
     os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
     worker.join(join_s)
-    outcome["hung"] = worker.is_alive()
-    outcome["seconds_after_kill"] = time.monotonic() - killed_at
-    return outcome
+    assert not worker.is_alive(), "in-flight request hung after the FFN died"
+    failed_after = time.monotonic() - killed_at
+    assert failed_after < join_s
+    assert outcome["result"].startswith("failed"), outcome
+    # A new request fails too (error response or refused connection).
+    with pytest.raises((urllib.error.URLError, OSError)):
+        complete(afd.api_url, model, "after", 4, stream=False, timeout=60)
+    return failed_after
 
 
 def served_model(url: str) -> str:

@@ -8,15 +8,13 @@
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from harness import (
     Deployment,
     LogSink,
+    assert_ffn_kill_fails_requests,
     complete,
-    kill_ffn_mid_stream,
     make_spec,
     served_model,
 )
@@ -42,13 +40,7 @@ def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
     log = LogSink()
     afd = _start(tiny_models, log)
     try:
-        outcome = kill_ffn_mid_stream(afd, LONG, after_s=2.0, join_s=TIMEOUT_S + 60)
-        assert not outcome["hung"], "in-flight request hung after the FFN died"
-        assert outcome["result"].startswith("failed"), outcome
-        model = outcome["model"]
-        # A new request fails too (error response or refused connection).
-        with pytest.raises((urllib.error.URLError, OSError)):
-            complete(afd.api_url, model, "after", 4, stream=False, timeout=60)
+        assert_ffn_kill_fails_requests(afd, LONG, after_s=2.0, join_s=TIMEOUT_S + 60)
     finally:
         afd.stop()
     text = log.getvalue()

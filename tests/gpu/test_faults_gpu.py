@@ -8,15 +8,12 @@ within seconds, new requests fail, and the attention log names the FFN peer.
 
 from __future__ import annotations
 
-import urllib.error
-
 import pytest
 from gpu_harness import on_devices
 from harness import (
     Deployment,
     LogSink,
-    complete,
-    kill_ffn_mid_stream,
+    assert_ffn_kill_fails_requests,
     make_spec,
 )
 
@@ -42,13 +39,8 @@ def test_ffn_killed_during_graph_decode_fails_requests_at_once(gpu_tiny_models):
     on_devices(afd.ffn, "1")
     try:
         afd.start(ready_timeout=600)
-        outcome = kill_ffn_mid_stream(afd, LONG, after_s=1.5, join_s=60)
-        assert not outcome["hung"], "in-flight request hung after the FFN died"
-        assert outcome["result"].startswith("failed"), outcome
-        print(f"stream failed {outcome['seconds_after_kill']:.1f} s after the kill")
-        model = outcome["model"]
-        with pytest.raises((urllib.error.URLError, OSError)):
-            complete(afd.api_url, model, "after", 4, stream=False, timeout=60)
+        seconds = assert_ffn_kill_fails_requests(afd, LONG, after_s=1.5, join_s=60)
+        print(f"stream failed {seconds:.1f} s after the kill")
     finally:
         afd.stop()
     text = log.getvalue()
