@@ -104,3 +104,46 @@ def test_finish_moe_output_is_vllm_runners_scale_then_add(dtype, scale):
     expected = s + r
     out = finish_moe_output(torch.cat((shared, routed), dim=1), H, scale)
     assert torch.equal(out, expected)
+
+
+def test_finish_stitches_into_vllm_piecewise_split_graph() -> None:
+    """vLLM's piecewise split keeps an indexing of a splitting op's output
+    inside that op's own piece, and its code generator accepts only integer
+    indices there (a slice failed on GPU). The finished MoE output must split
+    and generate, and compute the same values."""
+    import torch._dynamo
+    from vllm.compilation.backends import split_graph
+    from vllm.compilation.codegen import generate_execution_code
+
+    from vllm_afd.compat.engine_config import EXCHANGE_OPS
+    from vllm_afd.models.moe_tail import finish_moe_output
+
+    captured: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        captured.append(gm)
+        return gm.forward
+
+    def tail(parts: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.vllm_afd.ffn_exchange(parts, 0, 1)
+        return finish_moe_output(out, H, 2.5) + residual
+
+    torch._dynamo.reset()
+    parts, residual = torch.randn(3, 2 * H), torch.randn(3, H)
+    got = torch.compile(tail, backend=backend, fullgraph=True)
+    from vllm_afd.models import exchange
+
+    exchange.install_exchange(exchange.AttentionExchange(None))
+    try:
+        got(parts, residual)
+    finally:
+        exchange.install_exchange(None)
+        torch._dynamo.reset()
+    split_gm, items = split_graph(captured[0], list(EXCHANGE_OPS))
+    assert [item.is_splitting_graph for item in items].count(True) == 1
+    for item in items:  # vLLM compiles these pieces; the code calls them
+        if not item.is_splitting_graph:
+            split_gm.__dict__[item.submod_name] = item.graph.forward
+    generate_execution_code(split_gm)
+    expected = parts[:, :H] + parts[:, H:] * 2.5
+    assert torch.equal(finish_moe_output(parts.clone(), H, 2.5), expected)

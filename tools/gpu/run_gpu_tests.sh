@@ -54,6 +54,13 @@ PY
 
 TMP=$(mktemp -d)
 rc=0
+# Server logs reach OUTDIR even when a time limit stops the run part-way.
+archive_logs() {
+  (cd "$TMP" && find . -name '*.log' -print0 | tar czf "$OUT/server_logs.tgz" --null -T -)
+  rm -rf "$TMP"
+}
+trap archive_logs EXIT
+trap 'exit 143' TERM INT
 if [ $RUN_TESTS = 1 ]; then
   python3 -m pytest tests/gpu -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
@@ -76,6 +83,4 @@ if [ $RUN_BENCH = 1 ]; then
   python3 tools/gpu/bench_decode.py --out "$OUT/bench.json" \
     --log "$OUT/bench_servers.log" "$@" || rc=1
 fi
-(cd "$TMP" && find . -name '*.log' -print0 | tar czf "$OUT/server_logs.tgz" --null -T -)
-rm -rf "$TMP"
 exit $rc

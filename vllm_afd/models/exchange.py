@@ -13,8 +13,9 @@ CUDA graphs: the plan always travels outside any captured region. A forward
 run under capture sends a CAPTURE plan before the decoder stack is recorded;
 a FULL graph replay never runs the forward, so the runner sends the REPLAY
 plan just before it replays (``worker.cuda_attention``). Under capture the
-exchange joins the connector's stream back before returning, so the graph
-holds the whole NCCL send and receive.
+exchange joins the connector's stream back before returning (always, on
+CUDA), so the graph holds the whole NCCL send and receive and no send is left
+pending into the next step.
 
 With attention tensor parallelism only TP rank 0 is a connector endpoint; it
 exchanges and broadcasts the F2A result to the other TP ranks, so a TP group
@@ -77,10 +78,12 @@ class AttentionExchange:
         if self.connector is not None:
             sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
             self.connector.recv_f2a(layer_idx, 0, out=out)
-            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-                # Join the send's stream back before the capture ends (a
-                # stream wait, no host wait); eager sends are waited at the
-                # next step boundary.
+            if hidden.is_cuda:
+                # Join the send's stream back now (a stream wait, no host
+                # wait; the receive completes after the send anyway): a send
+                # left pending would be joined at the next step boundary,
+                # which may sit inside a graph capture that must not depend
+                # on uncaptured work. CPU sends are waited at that boundary.
                 sent.wait()
         if self.tp_group is not None and self.tp_group.world_size > 1:
             out = self.tp_group.broadcast(out, src=0)
