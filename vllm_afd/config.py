@@ -22,6 +22,9 @@ from vllm_afd.errors import AFDConfigError
 
 AFD_KEY = "afd"
 DEFAULT_PORT = 29650
+#: the most micro-batches a step may be split into (afd.num_ubatches): vLLM
+#: 0.32 keeps per-micro-batch scratch space for two only
+MAX_UBATCHES = 2
 
 
 class AFDRole(str, enum.Enum):
@@ -50,6 +53,11 @@ class AFDConfig:
             its own ``vllm serve`` (FFN ranks are independent; vLLM data
             parallelism would couple them). Attention ranks are vLLM
             data-parallel ranks, which keeps them in lockstep.
+        num_ubatches: attention role on CUDA: split each large enough step
+            into this many micro-batches, so one micro-batch's attention runs
+            while another's activations are in transfer or on the FFN
+            (dual-batch overlap at 2). 1 turns it off. The FFN role follows
+            the step plans and ignores it.
     """
 
     role: AFDRole
@@ -63,6 +71,7 @@ class AFDConfig:
         default_factory=lambda: MappingProxyType({})
     )
     rank: int | None = None
+    num_ubatches: int = 1
 
     @property
     def is_attention(self) -> bool:
@@ -84,6 +93,7 @@ class AFDConfig:
             "compute_gate_on_attention": self.compute_gate_on_attention,
             "connector_extra_config": dict(self.connector_extra_config),
             **({} if self.rank is None else {"rank": self.rank}),
+            **({} if self.num_ubatches == 1 else {"num_ubatches": self.num_ubatches}),
         }
 
 
@@ -97,6 +107,7 @@ _KEYS: dict[str, type] = {
     "compute_gate_on_attention": bool,
     "connector_extra_config": dict,
     "rank": int,
+    "num_ubatches": int,
 }
 
 
@@ -214,6 +225,13 @@ def parse_afd_config(raw: Any) -> AFDConfig:
             f"run one vllm serve per FFN rank with afd.rank=0..{num_f - 1}"
         )
 
+    num_ubatches = raw.get("num_ubatches", AFDConfig.num_ubatches)
+    if not 1 <= num_ubatches <= MAX_UBATCHES:
+        raise AFDConfigError(
+            f"afd.num_ubatches={num_ubatches} is outside 1..{MAX_UBATCHES}; "
+            "2 gives dual-batch overlap, 1 turns micro-batching off"
+        )
+
     # The connector factory is the single source of connector names and of
     # the keys each connector accepts. Imported here: it sits above config.
     from vllm_afd.connector import factory
@@ -232,6 +250,7 @@ def parse_afd_config(raw: Any) -> AFDConfig:
         compute_gate_on_attention=raw.get("compute_gate_on_attention", False),
         connector_extra_config=MappingProxyType(dict(extra)),
         rank=rank,
+        num_ubatches=num_ubatches,
     )
 
 

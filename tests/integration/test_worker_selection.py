@@ -416,3 +416,14 @@ def test_piecewise_graphs_split_at_the_exchange_ops_only_when_piecewise() -> Non
     )
     split_piecewise_graphs_at_exchange(unsplit)
     assert unsplit.splitting_ops == []
+
+
+def test_create_engine_config_ubatches_on_cpu_raise_config_error(
+    checkpoint: Path,
+) -> None:
+    afd = {"role": "attention", "num_ubatches": 2}
+    with pytest.raises(AFDConfigError, match=r"afd.num_ubatches=2 needs CUDA"):
+        _engine_args(checkpoint, afd).create_engine_config()
+    # The FFN role follows the step plans: the key is accepted and unused.
+    ffn = _engine_args(checkpoint, {"role": "ffn", "num_ubatches": 2})
+    assert ffn.create_engine_config().parallel_config.worker_cls == AFD_CPU_FFN_WORKER

@@ -134,3 +134,12 @@ def test_deployment_spec_from_launch_and_bench_command_lines() -> None:
     spec = DeploymentSpec.from_args(bench, [])
     assert (spec.model, spec.attention_ranks, spec.ffn_ranks) == ("M", 2, 1)
     assert spec.host == DeploymentSpec.host and spec.ffn_args == []
+
+
+def test_ubatches_reach_the_attention_role_only() -> None:
+    spec = DeploymentSpec(model="m", ubatches=2, cpu_workaround=False)
+    ffn, attention = role_processes(spec)
+    assert _afd(attention)["num_ubatches"] == 2
+    assert "num_ubatches" not in _afd(ffn)
+    assert parse_afd_config(_afd(attention)).num_ubatches == 2
+    assert "num_ubatches" not in _afd(role_processes(DeploymentSpec(model="m"))[1])

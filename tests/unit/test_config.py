@@ -47,6 +47,7 @@ def test_parse_minimal_config_fills_defaults() -> None:
     assert cfg.num_attention_ranks == 1
     assert cfg.num_ffn_ranks == 1
     assert cfg.compute_gate_on_attention is False
+    assert cfg.num_ubatches == 1
     # The connector's defaults are filled in.
     assert dict(cfg.connector_extra_config) == {
         "timeout_s": 60.0,
@@ -66,8 +67,10 @@ def test_parse_full_config_keeps_every_value() -> None:
         "num_ffn_ranks": 2,
         "compute_gate_on_attention": True,
         "connector_extra_config": {"timeout_s": 5, "backend": "gloo"},
+        "num_ubatches": 2,
     }
     cfg = parse_afd_config(raw)
+    assert cfg.num_ubatches == 2
     assert cfg.is_attention and not cfg.is_ffn
     assert (cfg.host, cfg.port) == ("10.0.0.7", 40000)
     assert (cfg.num_attention_ranks, cfg.num_ffn_ranks) == (4, 2)
@@ -138,6 +141,7 @@ def test_config_does_not_alias_the_raw_extra_config() -> None:
             "connector_extra_config": {"connect_timeout_s": 30, "backend": "nccl"},
         },
         {"role": "ffn", "connector": "loopback"},
+        {"role": "attention", "num_ubatches": 2},
     ],
 )
 def test_to_dict_round_trips_through_parse(raw: dict[str, Any]) -> None:
@@ -258,6 +262,14 @@ def test_parse_port_out_of_range_raises(port: int) -> None:
     _raises(
         _cfg(port=port),
         re.escape(f"afd.port={port} is outside 1..65534 (afd.port + 1 is used too)"),
+    )
+
+
+@pytest.mark.parametrize("n", [0, -1, 3, 8])
+def test_parse_num_ubatches_out_of_range_raises(n: int) -> None:
+    _raises(
+        _cfg(num_ubatches=n),
+        re.escape(f"afd.num_ubatches={n} is outside 1..2; 2 gives dual-batch"),
     )
 
 

@@ -16,7 +16,6 @@ pytest.importorskip("vllm")
 
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connector import ExecMode, Fingerprint, create_connector  # noqa: E402
-from vllm_afd.errors import AFDConfigError  # noqa: E402
 from vllm_afd.models.exchange import AttentionExchange, install_exchange  # noqa: E402
 from vllm_afd.worker.attention_side import announce_replays  # noqa: E402
 
@@ -70,9 +69,11 @@ def test_replay_sends_a_replay_plan_of_the_graph_size_first(endpoints):
     assert att.stats.a2f_bytes == att.stats.f2a_bytes == 2 * 16 * 8 * 4
 
 
-def test_micro_batched_replay_is_refused_before_anything_is_sent(endpoints):
+@pytest.mark.parametrize("num_tokens,split", [(16, (8, 8)), (15, (7, 8))])
+def test_micro_batched_replay_plans_each_micro_batch(endpoints, num_tokens, split):
+    ffn, _ = endpoints
     manager = _Manager()
     announce_replays(manager)
-    with pytest.raises(AFDConfigError, match="micro-batched"):
-        manager.run_fullgraph(SimpleNamespace(num_tokens=16, num_ubatches=2))
-    assert manager.replayed == []
+    manager.run_fullgraph(SimpleNamespace(num_tokens=num_tokens, num_ubatches=2))
+    plan = ffn.recv_plan()
+    assert plan.mode is ExecMode.REPLAY and plan.ubatch_tokens == split

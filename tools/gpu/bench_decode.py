@@ -11,7 +11,11 @@ decode step, and per batch the ratio of AFD to the best baseline. Both run
 CUDA graphs on both).
 
     python tools/gpu/bench_decode.py --out bench.json [--batches 16,32,...] \
-        [--cuda-graphs] [--baselines tp2,dp2ep2]
+        [--cuda-graphs] [--baselines tp2,dp2ep2] [--afd-ubatches 1,2]
+
+``--afd-ubatches 1,2`` runs AFD once per value of ``afd.num_ubatches``
+(setups ``afd-1a1f`` and ``afd-1a1f-ub2``); every AFD setup gets its ratio to
+the best baseline, and ``afd-1a1f-ub2`` also its ratio to ``afd-1a1f``.
 """
 
 from __future__ import annotations
@@ -129,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--skip-afd", action="store_true")
     p.add_argument(
+        "--afd-ubatches",
+        default="1",
+        help="afd.num_ubatches values to run AFD with, comma-separated",
+    )
+    p.add_argument(
         "--baselines",
         default="tp2",
         help="plain vLLM set-ups on the same 2 GPUs, comma-separated: tp2 "
@@ -174,13 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
-    if not args.skip_afd:
+    for ubatches in [] if args.skip_afd else map(int, args.afd_ubatches.split(",")):
+        spec.ubatches = ubatches
         afd = Deployment(spec, log=log)
         on_devices(afd.attention, "0")
         on_devices(afd.ffn, "1")
         try:
             afd.start(ready_timeout=400)
-            report["rows"] += measure(afd.api_url, args, "afd-1a1f")
+            report["rows"] += measure(afd.api_url, args, afd_setup(ubatches))
         finally:
             afd.stop()
         save()
@@ -205,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     for row in report["ratios"]:
         print(
-            f"B={row['batch']:>4} AFD/best plain ({row['best']}) = {row['ratio']:.3f}"
+            f"B={row['batch']:>4} {row['setup']} / {row['best']} = {row['ratio']:.3f}"
         )
     return 0
+
+
+def afd_setup(ubatches: int) -> str:
+    return "afd-1a1f" if ubatches == 1 else f"afd-1a1f-ub{ubatches}"
 
 
 #: plain vLLM baselines on the same two GPUs
@@ -218,20 +232,29 @@ BASELINES = {
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per batch: AFD throughput over the best plain baseline's."""
+    """Per batch and AFD setup: throughput over the best plain baseline's,
+    and micro-batched AFD over AFD without micro-batches."""
     out = []
     for batch in sorted({r["batch"] for r in rows}):
-        afd = [r for r in rows if r["batch"] == batch and r["setup"] == "afd-1a1f"]
-        plain = [r for r in rows if r["batch"] == batch and r["setup"] != "afd-1a1f"]
-        if afd and plain:
-            best = max(plain, key=lambda r: r["tok_per_s"])
-            out.append(
-                {
-                    "batch": batch,
-                    "best": best["setup"],
-                    "ratio": afd[0]["tok_per_s"] / best["tok_per_s"],
-                }
-            )
+        here = [r for r in rows if r["batch"] == batch]
+        afd = [r for r in here if r["setup"].startswith("afd-")]
+        plain = [r for r in here if not r["setup"].startswith("afd-")]
+        one = [r for r in afd if r["setup"] == "afd-1a1f"]
+        for row in afd:
+            against = []
+            if plain:
+                against.append(max(plain, key=lambda r: r["tok_per_s"]))
+            if one and row is not one[0]:
+                against.append(one[0])
+            for base in against:
+                out.append(
+                    {
+                        "batch": batch,
+                        "setup": row["setup"],
+                        "best": base["setup"],
+                        "ratio": row["tok_per_s"] / base["tok_per_s"],
+                    }
+                )
     return out
 
 

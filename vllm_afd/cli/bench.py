@@ -69,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--baseline-devices", type=int, default=1)
     t.add_argument("--connector", default="p2p")
     t.add_argument("--gate-on-attention", action="store_true")
+    t.add_argument("--ubatches", type=int, default=1, help="afd.num_ubatches")
     t.add_argument("--connector-extra-config", type=json.loads, default={})
     t.add_argument("--port", type=int, default=8000, help="API port (launch mode)")
     t.add_argument("--ffn-port", type=int, default=None)

@@ -117,6 +117,7 @@ class DeploymentSpec:
     host: str = "127.0.0.1"
     connector: str = "p2p"
     gate_on_attention: bool = False
+    ubatches: int = 1
     connector_extra_config: dict = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
     attention_args: list[str] = field(default_factory=list)
@@ -138,6 +139,7 @@ class DeploymentSpec:
             host=getattr(args, "host", cls.host),
             connector=args.connector,
             gate_on_attention=args.gate_on_attention,
+            ubatches=getattr(args, "ubatches", 1),
             connector_extra_config=args.connector_extra_config,
             vllm_args=vllm_args,
             attention_args=getattr(args, "attention_args", []),
@@ -145,6 +147,7 @@ class DeploymentSpec:
         )
 
     def afd_config(self, role: str) -> dict:
+        ubatches = self.ubatches if role == "attention" and self.ubatches > 1 else None
         return {
             "role": role,
             "connector": self.connector,
@@ -154,6 +157,7 @@ class DeploymentSpec:
             "num_ffn_ranks": self.ffn_ranks,
             "compute_gate_on_attention": self.gate_on_attention,
             "connector_extra_config": self.connector_extra_config,
+            **({} if ubatches is None else {"num_ubatches": ubatches}),
         }
 
 
@@ -318,6 +322,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--gate-on-attention",
         action="store_true",
         help="set afd.compute_gate_on_attention",
+    )
+    p.add_argument(
+        "--ubatches",
+        type=int,
+        default=1,
+        help="afd.num_ubatches of the attention role (2: dual-batch overlap, CUDA)",
     )
     p.add_argument(
         "--connector-extra-config",

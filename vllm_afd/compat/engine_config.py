@@ -188,6 +188,31 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
         raise AFDConfigError("AFD does not support speculative decoding yet")
     if parallel.use_ubatching:
         raise AFDConfigError(
-            "AFD does not support micro-batching yet (--enable-dbo or "
-            "--ubatch-size > 1)"
+            "AFD does not use vLLM's micro-batching (--enable-dbo, "
+            "--ubatch-size > 1), which overlaps an expert all-to-all; set "
+            "afd.num_ubatches (e.g. 2) to overlap attention with the FFN role"
+        )
+    if afd.num_ubatches > 1 and afd.is_attention:
+        check_ubatches_supported(afd, parallel)
+
+
+def check_ubatches_supported(afd: AFDConfig, parallel: Any) -> None:
+    """Micro-batching needs the CUDA V2 runner and one attention TP rank.
+
+    Raises:
+        AFDConfigError: naming afd.num_ubatches and the setting that clashes.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        raise AFDConfigError(
+            f"afd.num_ubatches={afd.num_ubatches} needs CUDA (vLLM's V2 model "
+            f"runner); this platform is {current_platform.device_type}. Use "
+            "afd.num_ubatches=1"
+        )
+    if parallel.tensor_parallel_size != 1:
+        raise AFDConfigError(
+            f"afd.num_ubatches={afd.num_ubatches} with "
+            f"--tensor-parallel-size {parallel.tensor_parallel_size} on the "
+            "attention role is not supported yet; use one of them"
         )

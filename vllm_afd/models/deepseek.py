@@ -243,7 +243,9 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
                 "the AFD FFN role does not run the decoder forward; it is "
                 "driven by the connector"
             )
-        current_exchange().begin_step(int(positions.shape[0]), _forward_mode(positions))
+        current_exchange().begin_forward(
+            int(positions.shape[0]), _forward_mode(positions)
+        )
         return super().forward(
             input_ids, positions, intermediate_tensors, inputs_embeds
         )

@@ -25,6 +25,7 @@ never ships duplicate activations.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,25 +43,52 @@ class AttentionExchange:
         connector: Any | None,
         tp_group: Any | None = None,
         on_step: Any | None = None,
+        switch: Any | None = None,
     ) -> None:
         self.connector = connector
         self.tp_group = tp_group
         self.on_step = on_step
+        # Micro-batches (``worker.ubatching``): which one runs, and hand-off.
+        self.switch = switch
         self.step_id = 0
+        self._staged: tuple[int, ...] | None = None
         self._lock = threading.Lock()
 
-    def begin_step(self, num_tokens: int, mode: ExecMode = ExecMode.EAGER) -> None:
-        """Send this forward's plan (called before the decoder stack runs)."""
+    def begin_step(
+        self, tokens: int | Sequence[int], mode: ExecMode = ExecMode.EAGER
+    ) -> None:
+        """Send a step's plan: its tokens, or tokens per micro-batch."""
+        ubatch_tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
         with self._lock:
             self.step_id += 1
             if self.on_step is not None:
                 self.on_step()
             if self.connector is not None:
-                self.connector.send_plan(
-                    StepPlan(
-                        step_id=self.step_id, mode=mode, ubatch_tokens=(num_tokens,)
-                    )
-                )
+                plan = StepPlan(self.step_id, mode, ubatch_tokens)
+                self.connector.send_plan(plan)
+
+    def stage_ubatches(self, ubatch_tokens: tuple[int, ...]) -> None:
+        """The runner split the next step: tokens per micro-batch."""
+        self._staged = ubatch_tokens
+
+    def begin_forward(self, num_tokens: int, mode: ExecMode) -> None:
+        """Called by the model's forward before the decoder stack runs.
+
+        In a micro-batched step every micro-batch runs the forward on its
+        slice; the first one announces the whole step with the staged split.
+        """
+        if self.switch is None or not self.switch.active():
+            self.begin_step(num_tokens, mode)
+            return
+        if self.switch.index() != 0:
+            return
+        staged, self._staged = self._staged, None
+        if staged is None or staged[0] != num_tokens:
+            raise AFDConnectorError(
+                f"micro-batch 0 runs {num_tokens} tokens but the runner staged "
+                f"{staged}; the micro-batch runner must stage every split"
+            )
+        self.begin_step(staged, mode)
 
     def exchange(
         self,
@@ -75,7 +103,10 @@ class AttentionExchange:
         # this layer's output after the next exchange, and under CUDA graph
         # capture the receive lands in the graph's memory pool.
         out = _output_like(hidden, parts)
-        if self.connector is not None:
+        ubatched = self.switch is not None and self.switch.active()
+        if self.connector is not None and ubatched:
+            self._exchange_ubatch(hidden, layer_idx, routing, out)
+        elif self.connector is not None:
             sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
             self.connector.recv_f2a(layer_idx, 0, out=out)
             if hidden.is_cuda:
@@ -88,6 +119,24 @@ class AttentionExchange:
         if self.tp_group is not None and self.tp_group.world_size > 1:
             out = self.tp_group.broadcast(out, src=0)
         return out
+
+    def _exchange_ubatch(
+        self,
+        hidden: torch.Tensor,
+        layer_idx: int,
+        routing: Routing | None,
+        out: torch.Tensor,
+    ) -> None:
+        """One micro-batch's exchange: send, post the receive, let the next
+        micro-batch compute, then wait. The transfers are issued in the order
+        the FFN serves them, layer by layer and micro-batch by micro-batch."""
+        assert self.connector is not None and self.switch is not None
+        ubatch = self.switch.index()
+        sent = self.connector.send_a2f(layer_idx, ubatch, hidden.contiguous(), routing)
+        received = self.connector.irecv_f2a(layer_idx, ubatch, out=out)
+        self.switch.yield_()
+        sent.wait()
+        received.wait()
 
 
 _current: AttentionExchange | None = None

@@ -12,7 +12,6 @@ from vllm.logger import init_logger
 
 from vllm_afd import envs
 from vllm_afd.connector.protocol import ExecMode
-from vllm_afd.errors import AFDConfigError
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import (
     AttentionExchange,
@@ -24,6 +23,7 @@ from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
 from vllm_afd.worker.runner_base import AFDRunnerMixin
+from vllm_afd.worker.ubatching import UBatchSwitch, ubatch_token_counts
 
 logger = init_logger(__name__)
 
@@ -71,11 +71,10 @@ def announce_replays(manager: Any) -> None:
     replay = manager.run_fullgraph
 
     def run_fullgraph(desc: Any) -> Any:
+        tokens = desc.num_tokens
         if desc.num_ubatches > 1:
-            raise AFDConfigError(
-                "AFD does not support micro-batched (DBO) CUDA graphs yet"
-            )
-        current_exchange().begin_step(desc.num_tokens, ExecMode.REPLAY)
+            tokens = ubatch_token_counts(desc.num_tokens, desc.num_ubatches)
+        current_exchange().begin_step(tokens, ExecMode.REPLAY)
         return replay(desc)
 
     manager.run_fullgraph = run_fullgraph
@@ -109,6 +108,7 @@ class AttentionSideMixin(AFDRunnerMixin):
                 endpoint.connector,
                 tp_group if tp_group.world_size > 1 else None,
                 on_step=self.afd_profiler.step,
+                switch=UBatchSwitch() if afd.num_ubatches > 1 else None,
             )
         )
 

@@ -5,7 +5,9 @@ model runner, CUDA's default). Everything is native (scheduler, KV cache,
 batching, attention, sampling, output, CUDA graphs) except that the runner
 starts the connector once the role-split model is loaded, closes it on
 shutdown, and announces each FULL CUDA graph replay to the FFN role: a replay
-never runs the model's forward, where the other plans are sent.
+never runs the model's forward, where the other plans are sent. With
+``afd.num_ubatches = 2`` it runs vLLM's micro-batch runner on one rank
+(:mod:`vllm_afd.worker.ubatching`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.compat.workers import CUDA_DEFAULT_WORKER, check_runner_generation
+from vllm_afd.models.deepseek import afd_config_of
+from vllm_afd.models.exchange import current_exchange
 from vllm_afd.worker.attention_side import AttentionSideMixin, announce_replays
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
+from vllm_afd.worker.ubatching import enable_ubatching, ubatch_runner_for_one_rank
 
 
 def require_v2_runner(worker: Worker) -> None:
@@ -44,11 +49,21 @@ class AFDAttentionModelRunner(AttentionSideMixin, GPUModelRunner):
             announce_replays(manager)
         self.__dict__["_afd_cudagraph_manager"] = manager
 
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        # Builds the micro-batch runner (when enabled) and the graph manager.
+        with ubatch_runner_for_one_rank(_stage_ubatches):
+            return super().initialize_kv_cache(*args, **kwargs)
+
+
+def _stage_ubatches(ubatch_tokens: tuple[int, ...]) -> None:
+    current_exchange().stage_ubatches(ubatch_tokens)
+
 
 class AFDAttentionWorker(Worker):
     """GPU ``Worker`` running :class:`AFDAttentionModelRunner`."""
 
     def init_device(self) -> None:
         require_v2_runner(self)
+        enable_ubatching(self.vllm_config, afd_config_of(self.vllm_config))
         with swapped_runner(CUDA_RUNNER, AFDAttentionModelRunner):
             super().init_device()

@@ -62,6 +62,7 @@ class FFNLoopStats:
     last_batch_tokens: int = 0
     graph_captures: int = 0
     graph_replays: int = 0
+    ubatched_steps: int = 0
 
 
 class FFNLoop:
@@ -111,6 +112,7 @@ class FFNLoop:
         else:
             compute_s = self._serve(plan)
         self.stats.steps += 1
+        self.stats.ubatched_steps += plan.num_ubatches > 1
         self.stats.tokens += plan.num_tokens
         self.stats.compute_s += compute_s
         self.stats.last_batch_tokens = plan.num_tokens

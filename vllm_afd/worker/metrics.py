@@ -17,6 +17,7 @@ Metric names (labels ``role``, ``rank``)::
     afd_ffn_tokens_total                 tokens computed (FFN role)
     afd_errors_total                     connector errors
     afd_ffn_graph_replays_total          steps replayed from CUDA graphs (FFN role)
+    afd_ffn_ubatched_steps_total         steps of two or more micro-batches (FFN role)
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ METRICS = {
     "graph_replays": (
         "afd_ffn_graph_replays",
         "AFD steps the FFN role replayed from CUDA graphs",
+    ),
+    "ubatched_steps": (
+        "afd_ffn_ubatched_steps",
+        "AFD steps the FFN role served as two or more micro-batches",
     ),
 }
 
@@ -112,6 +117,7 @@ def endpoint_publisher(
             values["compute_s"] = loop.stats.compute_s
             values["tokens"] = loop.stats.tokens
             values["graph_replays"] = loop.stats.graph_replays
+            values["ubatched_steps"] = loop.stats.ubatched_steps
         return values
 
     return MetricsPublisher(role, rank, snapshot).start()

@@ -1,0 +1,78 @@
+"""AFD 1A1F with two micro-batches per step (``afd.num_ubatches = 2``).
+
+Attention on GPU 0, FFN on GPU 1, bf16 tiny DeepSeek-V2, NCCL. The decode
+threshold is lowered so that every decode step of 2 or more requests is
+split: micro-batch 1's attention runs while micro-batch 0 is in transfer or
+on the FFN. Each case asserts that the FFN served micro-batched steps
+(``afd_ffn_ubatched_steps``) and compares with plain vLLM (no micro-batches)
+under the same settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gpu_harness import on_devices
+from harness import (
+    Deployment,
+    assert_same_outputs,
+    make_spec,
+    plain_outputs,
+    prompts,
+    run_workload,
+    served_model,
+    settled_metrics,
+)
+
+pytestmark = pytest.mark.gpu
+
+ATOL = 1e-2
+SPLIT_DECODE_STEPS = [  # decode steps of 2+ requests; prefill stays whole
+    "--dbo-decode-token-threshold",
+    "2",
+    "--dbo-prefill-token-threshold",
+    "100000",
+]
+COMMON = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2", *SPLIT_DECODE_STEPS]
+MODES = {
+    "eager": ["--enforce-eager"],
+    "full_graphs": [
+        "--compilation-config",
+        '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}',
+    ],
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_micro_batches_equal_plain_vllm(
+    gpu_tiny_models: dict[str, Path], tmp_path: Path, mode: str
+) -> None:
+    model = gpu_tiny_models["deepseek_v2"]
+    spec = make_spec(model, [*COMMON, *MODES[mode]], ubatches=2)
+    texts = prompts(16)
+    with (tmp_path / "afd.log").open("w") as log:
+        afd = Deployment(spec, log=log)
+        on_devices(afd.attention, "0")
+        on_devices(afd.ffn, "1")
+        try:
+            afd.start(ready_timeout=600)
+            afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
+            ffn = settled_metrics(afd.ffn.url)
+        finally:
+            afd.stop()
+    with (tmp_path / "plain.log").open("w") as log:
+        plain_out = plain_outputs(spec, texts, log=log, devices="0")
+    steps = ffn.get(("afd_steps", "ffn", "0"), 0)
+    split = ffn.get(("afd_ffn_ubatched_steps", "ffn", "0"), 0)
+    replays = ffn.get(("afd_ffn_graph_replays", "ffn", "0"), 0)
+    pairs = zip(afd_out, plain_out, strict=True)
+    same = sum(a.token_ids == p.token_ids for a, p in pairs)
+    print(
+        f"{mode}: FFN steps {steps:.0f}, micro-batched {split:.0f}, replayed "
+        f"{replays:.0f}; {same}/{len(texts)} requests token-identical"
+    )
+    assert split > 0, "no step was split into micro-batches"
+    if mode == "full_graphs":
+        assert replays > 0, "no graph replay"
+    assert_same_outputs(afd_out, plain_out, ATOL)
