@@ -136,10 +136,13 @@ def plain_outputs(
     log: Any = None,
     devices: str | None = None,
     ready_timeout: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> list[Completion]:
     """The workload's outputs from plain vLLM with ``spec``'s settings (one
-    server lifetime; ``devices`` sets its ``CUDA_VISIBLE_DEVICES``)."""
+    server lifetime; ``devices`` sets its ``CUDA_VISIBLE_DEVICES``, ``env``
+    adds environment variables)."""
     plain = PlainServer(spec, log=log)
+    plain.process.env = {**plain.process.env, **(env or {})}
     if devices is not None:
         plain.process.env = {**plain.process.env, "CUDA_VISIBLE_DEVICES": devices}
     plain.start(ready_timeout=ready_timeout)

@@ -6,6 +6,12 @@ split: micro-batch 1's attention runs while micro-batch 0 is in transfer or
 on the FFN. Each case asserts that the FFN served micro-batched steps
 (``afd_ffn_ubatched_steps``) and compares with plain vLLM (no micro-batches)
 under the same settings.
+
+A micro-batch runs its GEMMs and MoE kernels on half the rows, and GPU
+kernels may pick another reduction order for another row count. The
+``batch_invariant`` case runs every server with vLLM's batch-invariant kernels
+(``VLLM_BATCH_INVARIANT=1``), under which splitting a batch must not change a
+single bit; the other cases use the default kernels.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ SPLIT_DECODE_STEPS = [  # decode steps of 2+ requests; prefill stays whole
 COMMON = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2", *SPLIT_DECODE_STEPS]
 MODES = {
     "eager": ["--enforce-eager"],
+    "batch_invariant": ["--enforce-eager"],
     "full_graphs": [
         "--compilation-config",
         '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}',
@@ -51,10 +58,11 @@ def test_two_micro_batches_equal_plain_vllm(
     model = gpu_tiny_models["deepseek_v2"]
     spec = make_spec(model, [*COMMON, *MODES[mode]], ubatches=2)
     texts = prompts(16)
+    env = {"VLLM_BATCH_INVARIANT": "1"} if mode == "batch_invariant" else {}
     with (tmp_path / "afd.log").open("w") as log:
         afd = Deployment(spec, log=log)
-        on_devices(afd.attention, "0")
-        on_devices(afd.ffn, "1")
+        on_devices(afd.attention, "0", **env)
+        on_devices(afd.ffn, "1", **env)
         try:
             afd.start(ready_timeout=600)
             afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
@@ -62,7 +70,7 @@ def test_two_micro_batches_equal_plain_vllm(
         finally:
             afd.stop()
     with (tmp_path / "plain.log").open("w") as log:
-        plain_out = plain_outputs(spec, texts, log=log, devices="0")
+        plain_out = plain_outputs(spec, texts, log=log, devices="0", env=env)
     steps = ffn.get(("afd_steps", "ffn", "0"), 0)
     split = ffn.get(("afd_ffn_ubatched_steps", "ffn", "0"), 0)
     replays = ffn.get(("afd_ffn_graph_replays", "ffn", "0"), 0)
