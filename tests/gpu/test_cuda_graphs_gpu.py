@@ -24,52 +24,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import on_devices
-from harness import (
-    Completion,
-    Deployment,
-    assert_same_outputs,
-    make_spec,
-    plain_outputs,
-    prompts,
-    run_workload,
-    served_model,
-    settled_metrics,
-)
+from gpu_harness import FULL_DECODE_ONLY, afd_and_plain, same_count
+from harness import Completion, assert_same_outputs, make_spec, prompts
 
 pytestmark = pytest.mark.gpu
 
 ATOL = 1e-2
 COMMON = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2"]
-FULL_DECODE_ONLY = [
-    "--compilation-config",
-    '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}',
-]
 
 
 def _afd_and_plain(
     model: Path, extra: list[str], tmp_path: Path
 ) -> tuple[list[Completion], list[Completion], dict]:
-    spec = make_spec(model, [*COMMON, *extra])
     texts = prompts(16)
-    with (tmp_path / "afd.log").open("w") as log:
-        afd = Deployment(spec, log=log)
-        on_devices(afd.attention, "0")
-        on_devices(afd.ffn, "1")
-        try:
-            afd.start(ready_timeout=600)
-            afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
-            ffn = settled_metrics(afd.ffn.url)
-        finally:
-            afd.stop()
-    with (tmp_path / "plain.log").open("w") as log:
-        plain_out = plain_outputs(spec, texts, log=log, devices="0")
-    pairs = zip(afd_out, plain_out, strict=True)
-    same = sum(a.token_ids == p.token_ids for a, p in pairs)
+    afd_out, plain_out, ffn = afd_and_plain(
+        make_spec(model, [*COMMON, *extra]), texts, tmp_path
+    )
     print(
         f"{model.name} {extra}: FFN steps {ffn.get(('afd_steps', 'ffn', '0'), 0):.0f}"
         f", replayed {ffn.get(('afd_ffn_graph_replays', 'ffn', '0'), 0):.0f}; "
-        f"{same}/{len(texts)} requests token-identical to plain vLLM"
+        f"{same_count(afd_out, plain_out)}/{len(texts)} requests token-identical "
+        "to plain vLLM"
     )
     return afd_out, plain_out, ffn
 

@@ -9,7 +9,7 @@ within seconds, new requests fail, and the attention log names the FFN peer.
 from __future__ import annotations
 
 import pytest
-from gpu_harness import on_devices
+from gpu_harness import FULL_DECODE_ONLY, on_devices
 from harness import (
     Deployment,
     LogSink,
@@ -24,8 +24,7 @@ GRAPHS = [
     "bfloat16",
     "--gpu-memory-utilization",
     "0.2",
-    "--compilation-config",
-    '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}',
+    *FULL_DECODE_ONLY,
     "--max-model-len",
     "2048",  # the tiny model's max_position_embeddings
 ]

@@ -19,17 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import on_devices
-from harness import (
-    Deployment,
-    assert_same_outputs,
-    make_spec,
-    plain_outputs,
-    prompts,
-    run_workload,
-    served_model,
-    settled_metrics,
-)
+from gpu_harness import FULL_DECODE_ONLY, afd_and_plain, same_count
+from harness import assert_same_outputs, make_spec, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -44,10 +35,7 @@ COMMON = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2", *SPLIT_DECOD
 MODES = {
     "eager": ["--enforce-eager"],
     "batch_invariant": ["--enforce-eager"],
-    "full_graphs": [
-        "--compilation-config",
-        '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}',
-    ],
+    "full_graphs": FULL_DECODE_ONLY,
 }
 
 
@@ -59,23 +47,11 @@ def test_two_micro_batches_equal_plain_vllm(
     spec = make_spec(model, [*COMMON, *MODES[mode]], ubatches=2)
     texts = prompts(16)
     env = {"VLLM_BATCH_INVARIANT": "1"} if mode == "batch_invariant" else {}
-    with (tmp_path / "afd.log").open("w") as log:
-        afd = Deployment(spec, log=log)
-        on_devices(afd.attention, "0", **env)
-        on_devices(afd.ffn, "1", **env)
-        try:
-            afd.start(ready_timeout=600)
-            afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
-            ffn = settled_metrics(afd.ffn.url)
-        finally:
-            afd.stop()
-    with (tmp_path / "plain.log").open("w") as log:
-        plain_out = plain_outputs(spec, texts, log=log, devices="0", env=env)
+    afd_out, plain_out, ffn = afd_and_plain(spec, texts, tmp_path, env)
     steps = ffn.get(("afd_steps", "ffn", "0"), 0)
     split = ffn.get(("afd_ffn_ubatched_steps", "ffn", "0"), 0)
     replays = ffn.get(("afd_ffn_graph_replays", "ffn", "0"), 0)
-    pairs = zip(afd_out, plain_out, strict=True)
-    same = sum(a.token_ids == p.token_ids for a, p in pairs)
+    same = same_count(afd_out, plain_out)
     print(
         f"{mode}: FFN steps {steps:.0f}, micro-batched {split:.0f}, replayed "
         f"{replays:.0f}; {same}/{len(texts)} requests token-identical"

@@ -147,7 +147,7 @@ class DeploymentSpec:
         )
 
     def afd_config(self, role: str) -> dict:
-        ubatches = self.ubatches if role == "attention" and self.ubatches > 1 else None
+        split = role == "attention" and self.ubatches > 1
         return {
             "role": role,
             "connector": self.connector,
@@ -157,7 +157,7 @@ class DeploymentSpec:
             "num_ffn_ranks": self.ffn_ranks,
             "compute_gate_on_attention": self.gate_on_attention,
             "connector_extra_config": self.connector_extra_config,
-            **({} if ubatches is None else {"num_ubatches": ubatches}),
+            **({"num_ubatches": self.ubatches} if split else {}),
         }
 
 

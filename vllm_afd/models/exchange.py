@@ -103,12 +103,19 @@ class AttentionExchange:
         # this layer's output after the next exchange, and under CUDA graph
         # capture the receive lands in the graph's memory pool.
         out = _output_like(hidden, parts)
-        ubatched = self.switch is not None and self.switch.active()
-        if self.connector is not None and ubatched:
-            self._exchange_ubatch(hidden, layer_idx, routing, out)
-        elif self.connector is not None:
-            sent = self.connector.send_a2f(layer_idx, 0, hidden.contiguous(), routing)
-            self.connector.recv_f2a(layer_idx, 0, out=out)
+        if self.connector is not None:
+            ubatched = self.switch is not None and self.switch.active()
+            ubatch = self.switch.index() if ubatched else 0
+            sent = self.connector.send_a2f(
+                layer_idx, ubatch, hidden.contiguous(), routing
+            )
+            received = self.connector.irecv_f2a(layer_idx, ubatch, out=out)
+            if ubatched:
+                # The next micro-batch computes while this one is away. The
+                # transfers are issued in the order the FFN serves them, layer
+                # by layer and micro-batch by micro-batch.
+                self.switch.yield_()
+            received.wait()
             if hidden.is_cuda:
                 # Join the send's stream back now (a stream wait, no host
                 # wait; the receive completes after the send anyway): a send
@@ -119,24 +126,6 @@ class AttentionExchange:
         if self.tp_group is not None and self.tp_group.world_size > 1:
             out = self.tp_group.broadcast(out, src=0)
         return out
-
-    def _exchange_ubatch(
-        self,
-        hidden: torch.Tensor,
-        layer_idx: int,
-        routing: Routing | None,
-        out: torch.Tensor,
-    ) -> None:
-        """One micro-batch's exchange: send, post the receive, let the next
-        micro-batch compute, then wait. The transfers are issued in the order
-        the FFN serves them, layer by layer and micro-batch by micro-batch."""
-        assert self.connector is not None and self.switch is not None
-        ubatch = self.switch.index()
-        sent = self.connector.send_a2f(layer_idx, ubatch, hidden.contiguous(), routing)
-        received = self.connector.irecv_f2a(layer_idx, ubatch, out=out)
-        self.switch.yield_()
-        sent.wait()
-        received.wait()
 
 
 _current: AttentionExchange | None = None
