@@ -5,17 +5,22 @@ DeepSeek-V2-Lite shapes (27 layers, hidden 2048, 64 routed experts top-6,
 the tiny local tokenizer, whose small vocabulary replaces V2-Lite's 102400:
 a smaller lm_head), no weights. For each batch size B, B concurrent
 requests of ``--input-len`` prompt tokens and ``--output-len`` greedy new
-tokens (``ignore_eos``); reported: output tokens/s and the mean time per
-decode step, and per batch the ratio of AFD to the best baseline. Both run
-``--enforce-eager`` unless ``--cuda-graphs`` (vLLM's default compilation and
-CUDA graphs on both).
+tokens (``ignore_eos``). Each batch runs once untimed, then ``--repeats``
+times timed; reported: the median's output tokens/s and mean time per step
+(all wall times kept), for AFD the FFN's steps, micro-batched steps and graph
+replays over the timed rounds, and per batch the ratio of AFD to the best
+baseline. Both run ``--enforce-eager`` unless ``--cuda-graphs`` (vLLM's
+default compilation and CUDA graphs on both) or ``--compilation-config``.
 
     python tools/gpu/bench_decode.py --out bench.json [--batches 16,32,...] \
-        [--cuda-graphs] [--baselines tp2,dp2ep2] [--afd-ubatches 1,2]
+        [--repeats 3] [--cuda-graphs] [--baselines tp2,dp2ep2] \
+        [--afd-ubatches 1,2]
 
 ``--afd-ubatches 1,2`` runs AFD once per value of ``afd.num_ubatches``
 (setups ``afd-1a1f`` and ``afd-1a1f-ub2``); every AFD setup gets its ratio to
-the best baseline, and ``afd-1a1f-ub2`` also its ratio to ``afd-1a1f``.
+the best baseline, and ``afd-1a1f-ub2`` also its ratio to ``afd-1a1f`` at
+the same batch and to ``afd-1a1f`` at half the batch ("B/2 twice": two half
+steps back to back, which is what a split step costs without overlap).
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from vllm_afd.cli.bench import settled_counters
 from vllm_afd.cli.client import post_json, served_model
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
@@ -80,7 +88,9 @@ def on_devices(process: object, devices: str) -> None:
 
 
 def one_request_each(url: str, model: str, batch: int, args: argparse.Namespace):
-    # B separate requests in flight (the scheduler batches them), timed as one.
+    """B separate requests in flight (the scheduler batches them), timed as one:
+    output tokens and wall seconds."""
+
     def one(i: int) -> int:
         body = {
             "model": model,
@@ -96,26 +106,57 @@ def one_request_each(url: str, model: str, batch: int, args: argparse.Namespace)
     start = time.perf_counter()
     with ThreadPoolExecutor(batch) as pool:
         tokens = sum(pool.map(one, range(batch)))
-    wall = time.perf_counter() - start
+    return tokens, time.perf_counter() - start
+
+
+#: FFN-side counters read around every timed batch (``afd_*_total``)
+STEP_COUNTERS = ("afd_steps", "afd_ffn_ubatched_steps", "afd_ffn_graph_replays")
+
+
+def step_counts(ffn_url: str | None) -> dict[str, float]:
+    if ffn_url is None:
+        return {}
+    found = settled_counters(ffn_url, [])
+    return {
+        name: sum(v for (n, role, _), v in found.items() if n == name and role == "ffn")
+        for name in STEP_COUNTERS
+    }
+
+
+def batch_row(
+    batch: int, samples: list[tuple[int, float]], output_len: int
+) -> dict[str, object]:
+    """One batch's figures from its timed repeats: the median wall time."""
+    walls = sorted(wall for _, wall in samples)
+    wall = statistics.median(walls)
+    tokens = samples[0][0]
     return {
         "batch": batch,
         "wall_s": wall,
         "output_tokens": tokens,
         "tok_per_s": tokens / wall,
-        "ms_per_step": 1e3 * wall / args.output_len,
+        "ms_per_step": 1e3 * wall / output_len,
+        "wall_s_samples": [round(w, 4) for w in walls],
     }
 
 
-def measure(url: str, args: argparse.Namespace, label: str) -> list[dict]:
+def measure(
+    url: str, args: argparse.Namespace, label: str, ffn_url: str | None = None
+) -> Iterator[dict]:
+    """Per batch: one untimed round at that batch, then ``--repeats`` timed."""
     model = served_model(url)
-    one_request_each(url, model, 4, args)  # warm-up
-    rows = []
     for batch in args.batches:
-        row = one_request_each(url, model, batch, args)
+        one_request_each(url, model, batch, args)
+        before = step_counts(ffn_url)
+        samples = [
+            one_request_each(url, model, batch, args) for _ in range(args.repeats)
+        ]
+        after = step_counts(ffn_url)
+        row = batch_row(batch, samples, args.output_len)
         row["setup"] = label
+        row.update({k: after[k] - before[k] for k in after})
         print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+        yield row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="16,32,64,128,256")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed rounds per batch after one untimed round; the median counts",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="drop --enforce-eager")
     p.add_argument(
         "--compilation-config",
@@ -181,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def save() -> None:
+        report["ratios"] = ratios(report["rows"])
         Path(args.out).write_text(json.dumps(report, indent=2))
+
+    def record(rows: Iterator[dict]) -> None:
+        for row in rows:  # saved row by row: a run cut short keeps its rows
+            report["rows"].append(row)
+            save()
 
     for ubatches in [] if args.skip_afd else map(int, args.afd_ubatches.split(",")):
         spec.ubatches = ubatches
@@ -190,10 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         on_devices(afd.ffn, "1")
         try:
             afd.start(ready_timeout=400)
-            report["rows"] += measure(afd.api_url, args, afd_setup(ubatches))
+            record(measure(afd.api_url, args, afd_setup(ubatches), afd.ffn.url))
         finally:
             afd.stop()
-        save()
     for name in filter(None, args.baselines.split(",")):
         baseline = DeploymentSpec(
             model=str(model_dir), port=port, vllm_args=[*common, *BASELINES[name]]
@@ -202,16 +254,19 @@ def main(argv: list[str] | None = None) -> int:
         on_devices(plain.process, "0,1")
         try:
             plain.start(ready_timeout=400)
-            report["rows"] += measure(plain.url, args, f"plain-{name}")
+            record(measure(plain.url, args, f"plain-{name}"))
         finally:
             plain.stop()
-        save()
-    report["ratios"] = ratios(report["rows"])
     save()
     for row in report["rows"]:
+        steps = "".join(
+            f" {name.removeprefix('afd_')} {row[name]:.0f}"
+            for name in STEP_COUNTERS
+            if name in row
+        )
         print(
             f"{row['setup']:>13} B={row['batch']:>4} {row['tok_per_s']:9.1f} tok/s "
-            f"{row['ms_per_step']:7.2f} ms/step"
+            f"{row['ms_per_step']:7.2f} ms/step{steps}"
         )
     for row in report["ratios"]:
         print(
@@ -232,26 +287,34 @@ BASELINES = {
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per batch and AFD setup: throughput over the best plain baseline's,
-    and micro-batched AFD over AFD without micro-batches."""
+    """Per batch and AFD setup: throughput over the best plain baseline's; for
+    micro-batched AFD also over AFD without micro-batches, and over the two
+    halves run back to back (``afd-1a1f`` at B/2, whose throughput is exactly
+    that of two B/2 steps in a row): above 1 only if the halves overlap."""
     out = []
     for batch in sorted({r["batch"] for r in rows}):
         here = [r for r in rows if r["batch"] == batch]
         afd = [r for r in here if r["setup"].startswith("afd-")]
         plain = [r for r in here if not r["setup"].startswith("afd-")]
         one = [r for r in afd if r["setup"] == "afd-1a1f"]
+        halves = [
+            r for r in rows if r["setup"] == "afd-1a1f" and 2 * r["batch"] == batch
+        ]
         for row in afd:
             against = []
             if plain:
-                against.append(max(plain, key=lambda r: r["tok_per_s"]))
+                best = max(plain, key=lambda r: r["tok_per_s"])
+                against.append((best["setup"], best))
             if one and row is not one[0]:
-                against.append(one[0])
-            for base in against:
+                against.append(("afd-1a1f", one[0]))
+            if halves and row["setup"] != "afd-1a1f":
+                against.append(("afd-1a1f B/2 twice", halves[0]))
+            for name, base in against:
                 out.append(
                     {
                         "batch": batch,
                         "setup": row["setup"],
-                        "best": base["setup"],
+                        "best": name,
                         "ratio": row["tok_per_s"] / base["tok_per_s"],
                     }
                 )
