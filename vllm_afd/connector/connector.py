@@ -141,6 +141,7 @@ class AFDConnector(ConnectorCore):
             raise self._fail(e) from None
         self._plan = plan
         self._tokens = plan.ubatch_tokens
+        self._set_step_mode(plan.mode)
         self._steps += 1
         if plan.mode is ExecMode.REPLAY:
             self._account_graph_step(plan.ubatch_tokens)
@@ -212,16 +213,12 @@ class AFDConnector(ConnectorCore):
             early = self._post_f2a(layer_idx, ubatch_idx, n)
             self._preposted[(layer_idx, ubatch_idx)] = early
         peer = self._peers[0]
-        pending = [
-            self._post(
-                True,
-                t.contiguous(),
-                peer,
-                ExchangeKey(step, layer_idx, ubatch_idx, kind),
-            )
-            for t, kind in parts
-        ]
-        self._a2f_bytes += sum(t.numel() * t.element_size() for t, _ in parts)
+        pending = []
+        for t, kind in parts:
+            t = t.contiguous()
+            key = ExchangeKey(step, layer_idx, ubatch_idx, kind)
+            pending.append(self._post(True, t, peer, key))
+            self._a2f_bytes += t.numel() * t.element_size()
         handle = SendHandle(pending, self._wait_all)
         self._pending_sends.append(handle)
         if early is not None:
@@ -296,6 +293,7 @@ class AFDConnector(ConnectorCore):
             raise self._fail(e) from None
         self._merged = merged
         self._tokens = merged.ubatch_tokens
+        self._set_step_mode(merged.mode)
         self._a2f_plan.clear()
         self._steps += 1
         return merged

@@ -99,6 +99,7 @@ class ConnectorCore:
             else frozenset(range(n_layers))
         )
         self._dev_type = device.type
+        self._wait_timeout_s = timeout_s  # of the current step (_set_step_mode)
         self._failure: BaseException | None = None
         self._plan: StepPlan | None = None
         self._merged: MergedPlan | None = None
@@ -228,18 +229,18 @@ class ConnectorCore:
         """Columns of layer ``layer_idx``'s F2A tensor (H or H * parts)."""
         return self._f2a_cols.get(layer_idx, self._hidden)
 
-    def _step_timeout(self) -> float:
-        """``timeout_s``, or ``warmup_timeout_s`` in WARMUP/CAPTURE steps."""
-        plan = getattr(self, "_merged", None) or getattr(self, "_plan", None)
-        if plan is not None and plan.mode in (ExecMode.WARMUP, ExecMode.CAPTURE):
-            return self._warmup_timeout_s
-        return self._timeout_s
+    def _set_step_mode(self, mode: ExecMode) -> None:
+        """Waits of this step get ``warmup_timeout_s`` in WARMUP/CAPTURE
+        steps, ``timeout_s`` otherwise."""
+        slow = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
+        self._wait_timeout_s = self._warmup_timeout_s if slow else self._timeout_s
 
     def _wait_all(self, pending: Sequence[Pending]) -> None:
         t0 = time.perf_counter()
+        timeout_s = self._wait_timeout_s
         for work, peer, key, is_send in pending:
             try:
-                work.wait(self._step_timeout())
+                work.wait(timeout_s)
             except AFDError as e:
                 self._wait_s += time.perf_counter() - t0
                 raise self._fail(e, peer, key, is_send) from e
@@ -274,7 +275,7 @@ class ConnectorCore:
                 err = AFDPeerError(f"{name} {why} while {verb} {what}")
             elif isinstance(err, AFDTimeoutError):
                 err = AFDTimeoutError(
-                    f"timed out after {self._step_timeout()}s {verb} {what}"
+                    f"timed out after {self._wait_timeout_s}s {verb} {what}"
                 )
             elif isinstance(err, AFDPeerError):
                 err = AFDPeerError(f"{name} is gone ({err}) while {verb} {what}")
