@@ -4,6 +4,7 @@ option, CLI flag and counter a user can meet is documented."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import re
 import unicodedata
@@ -112,3 +113,45 @@ def test_every_counter_is_documented() -> None:
         f"{name}_total" for name, _ in METRICS.values() if f"{name}_total" not in text
     ]
     assert not missing, f"counters missing from docs/benchmarks.md: {missing}"
+
+
+def _raised_messages() -> list[tuple[str, str]]:
+    """(where, longest literal piece) of every ``raise AFD...Error(msg)``."""
+
+    def pieces(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, ast.JoinedStr):
+            return [v.value for v in node.values if isinstance(v, ast.Constant)]
+        if isinstance(node, ast.BinOp):
+            return pieces(node.left) + pieces(node.right)
+        return []
+
+    found = []
+    for path in sorted((ROOT / "vllm_afd").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Raise)
+                and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", "").startswith("AFD")
+                and node.exc.args
+            ):
+                continue
+            texts = [
+                " ".join(p.split()).strip(" :;,.'\"") for p in pieces(node.exc.args[0])
+            ]
+            texts = [t for t in texts if len(t) >= 12]
+            if texts:
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                found.append((where, max(texts, key=len)))
+    return found
+
+
+def test_every_error_message_is_documented() -> None:
+    """The longest fixed piece of every AFD error the code raises appears in
+    README.md or docs/ (whitespace aside), so a user who meets it finds it."""
+    text = " ".join(" ".join(p.read_text() for p in PAGES).split())
+    messages = _raised_messages()
+    assert len(messages) > 50  # the extraction works
+    missing = [f"{where}: {piece!r}" for where, piece in messages if piece not in text]
+    assert not missing, "errors missing from the docs:\n" + "\n".join(missing)
