@@ -222,3 +222,15 @@ def test_p2p_nccl_round_trip_exact(topo, gate):
         hidden=256, device="cuda", gate_on_attention=gate,
     )  # fmt: skip
     _ok(S.run(sc, limit_s=120))
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_call_after_failed_start_names_the_cause(connector):
+    sc = S.Scenario(connector, S.free_port(), 1, 1, connect_timeout_s=0.3)
+    att = S._connector(sc, "attention", 0)  # no FFN rank ever comes
+    with pytest.raises(AFDConnectorError) as first:
+        att.start()
+    with pytest.raises(AFDConnectorError, match="failed earlier") as later:
+        att.send_plan(StepPlan(0, ExecMode.EAGER, (1,)))
+    assert str(first.value) in str(later.value)
+    att.close()  # still idempotent

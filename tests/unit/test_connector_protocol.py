@@ -117,5 +117,5 @@ def test_merge_plans_rejects_disagreeing_peers():
         merge_plans((0, 1), [a, StepPlan(2, ExecMode.EAGER, (1,))])
     with pytest.raises(AFDProtocolError, match="CAPTURE"):
         merge_plans((0, 1), [a, StepPlan(1, ExecMode.CAPTURE, (1,))])
-    with pytest.raises(AFDProtocolError, match="rank 0 planned 1 ubatches"):
+    with pytest.raises(AFDProtocolError, match="rank 0 planned 1 ubatch in step 1"):
         merge_plans((0, 1), [a, StepPlan(1, ExecMode.EAGER, (1, 1))])

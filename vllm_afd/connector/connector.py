@@ -101,8 +101,9 @@ class AFDConnector(ConnectorCore):
             self._data.prepare()
             rendezvous = self._control.start(self.fingerprint)
             self._data.start(rendezvous)
-        except BaseException:
+        except BaseException as e:
             self._errors += 1
+            self._failure = e  # later calls say why, not just "closed"
             self.close()
             raise
         self._live = self.role

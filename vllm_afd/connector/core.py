@@ -32,6 +32,7 @@ from vllm_afd.connector.protocol import (
     ExecMode,
     Fingerprint,
     StepPlan,
+    ubatches,
 )
 from vllm_afd.errors import (
     AFDConnectorError,
@@ -129,14 +130,14 @@ class ConnectorCore:
                 f"{method}() is a {role.value}-role call, but this connector is "
                 f"{self.role.value} rank {self.role_rank}"
             )
-        if not self._started or self._closed:
-            state = "closed" if self._closed else "not started; call start() first"
-            raise AFDConnectorError(f"{method}(): the connector is {state}")
-        if self._failure is not None:
+        if self._failure is not None:  # also after a failed start()
             raise AFDConnectorError(
                 f"{method}(): the connector failed earlier and cannot be used: "
                 f"{self._failure}"
             )
+        if not self._started or self._closed:
+            state = "closed" if self._closed else "not started; call start() first"
+            raise AFDConnectorError(f"{method}(): the connector is {state}")
 
     def _planned(self, layer_idx: int, ubatch_idx: int) -> int:
         """Tokens of (this rank | the merged batch) in ``ubatch_idx``."""
@@ -163,7 +164,7 @@ class ConnectorCore:
             if not any(tokens):
                 return 0  # a rank with no work may send an empty plan
             raise AFDConnectorError(
-                f"ubatch_idx={ubatch_idx} but the step plans {len(tokens)} ubatches"
+                f"ubatch_idx={ubatch_idx} but the step plans {ubatches(len(tokens))}"
             )
         return tokens[ubatch_idx]
 

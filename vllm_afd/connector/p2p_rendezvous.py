@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from vllm_afd.config import AFDRole
 from vllm_afd.connector import protocol
-from vllm_afd.connector.p2p_wire import Channel, connect, listen
+from vllm_afd.connector.p2p_wire import RENDEZVOUS_HINT, Channel, connect, listen
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint, MsgType
 from vllm_afd.errors import (
     AFDConnectorError,
@@ -193,7 +193,8 @@ def join(
 ) -> Joined:
     """Every endpoint but ffn rank 0: legs 1 and 2."""
     deadline = time.monotonic() + connect_timeout_s
-    hub = Channel(connect(host, port, deadline, connect_timeout_s), "ffn rank 0")
+    sock = connect(host, port, deadline, connect_timeout_s, RENDEZVOUS_HINT)
+    hub = Channel(sock, "ffn rank 0")
     local_host = hub.sock.getsockname()[0]
     own: socket.socket | None = None
     try:
@@ -215,7 +216,11 @@ def join(
             return Joined(session, local_host, [hub])
         hub.close()
         fhost, fport = accept["ffn_addrs"][k]
-        sock = connect(fhost, fport, deadline, connect_timeout_s)
+        hint = (
+            f"It is the address ffn rank {k} announced: check that ffn rank {k} "
+            "is running and reachable from this host on any port"
+        )
+        sock = connect(fhost, fport, deadline, connect_timeout_s, hint)
         ch = Channel(sock, f"ffn rank {k}")
         ch.send(protocol.join(rank, session))
         _await_reply(ch, deadline, connect_timeout_s, "the JOIN reply")

@@ -45,11 +45,21 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.socket:
+#: what to check when ffn rank 0's rendezvous cannot be reached
+RENDEZVOUS_HINT = (
+    "Check afd.host and afd.port, and that ffn rank 0 is running (raise "
+    "connect_timeout_s if it starts slowly)"
+)
+
+
+def connect(
+    host: str, port: int, deadline: float, timeout_s: float, hint: str
+) -> socket.socket:
     """Connect to ``host:port``, retrying until ``deadline`` (monotonic).
 
     Raises:
-        AFDTimeoutError: nobody accepted before the deadline.
+        AFDTimeoutError: nobody accepted before the deadline; ``hint`` says
+            what to check.
     """
     last: OSError | None = None
     while True:
@@ -57,8 +67,7 @@ def connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.s
         if remaining <= 0:
             raise AFDTimeoutError(
                 f"could not reach {host}:{port} within {timeout_s}s (last error: "
-                f"{last}). Check afd.host and afd.port, and that ffn rank 0 is "
-                "running (raise connect_timeout_s if it starts slowly)"
+                f"{last}). {hint}"
             )
         try:
             sock = socket.create_connection((host, port), timeout=min(remaining, 5.0))

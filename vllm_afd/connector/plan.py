@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_afd.connector.protocol import ExecMode, StepPlan
+from vllm_afd.connector.protocol import ExecMode, StepPlan, ubatches
 from vllm_afd.errors import AFDProtocolError
 
 
@@ -87,7 +87,7 @@ def merge_plans(peers: tuple[int, ...], plans: list[StepPlan]) -> MergedPlan:
         padded = _padded(plan, num_ubatches)
         if padded is None:
             raise AFDProtocolError(
-                f"attention rank {rank} planned {len(plan.ubatch_tokens)} ubatches "
+                f"attention rank {rank} planned {ubatches(len(plan.ubatch_tokens))} "
                 f"in step {plan.step_id}, other peers {num_ubatches}; ranks with "
                 "tokens must use the same ubatch count"
             )

@@ -88,6 +88,11 @@ MAX_LAYERS = 1 << LAYER_BITS
 MAX_UBATCHES = 1 << UBATCH_BITS
 
 
+def ubatches(n: int) -> str:
+    """``"1 ubatch"``, ``"2 ubatches"`` (for messages)."""
+    return f"{n} ubatch" if n == 1 else f"{n} ubatches"
+
+
 class ExchangeKey(NamedTuple):
     """Identity of one tensor exchange."""
 

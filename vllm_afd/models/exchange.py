@@ -140,8 +140,8 @@ def install_exchange(exchange: AttentionExchange | None) -> None:
 def current_exchange() -> AttentionExchange:
     if _current is None:
         raise AFDConnectorError(
-            "the AFD attention model ran before its connector started; the "
-            "attention worker installs it in load_model"
+            "the AFD attention model ran without a connector: before the "
+            "attention worker started it in load_model, or after it closed"
         )
     return _current
 
