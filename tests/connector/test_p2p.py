@@ -29,6 +29,49 @@ def test_port_in_use_names_address_and_fix():
     assert "afd.port" in msg
 
 
+def test_unreadable_fingerprint_is_rejected_with_its_reason():
+    """A HELLO from another vllm-afd version (same protocol version, a
+    fingerprint field missing) is refused like a mismatch: the sender gets a
+    REJECT that says why, and ffn rank 0 raises the same reason."""
+    import threading
+
+    from vllm_afd.connector import protocol
+    from vllm_afd.errors import AFDProtocolError
+
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=5.0)
+    ffn = S._connector(sc, "ffn", 0)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            ffn.start()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            raised.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    hello = protocol.hello("attention", 0, S.fingerprint(sc, "attention", 0), None)
+    del hello["fingerprint"]["top_k"]
+    from vllm_afd.connector.p2p_wire import connect
+
+    with connect("127.0.0.1", sc.port, time.monotonic() + 5, 5.0, "") as sock:
+        sock.sendall(protocol.encode(hello))
+        sock.settimeout(5)
+        buf = bytearray()
+        replies: list[dict] = []
+        while not replies:
+            chunk = sock.recv(65536)
+            assert chunk, "ffn rank 0 closed without a reply"
+            buf += chunk
+            replies = protocol.decode_frames(buf)
+    t.join(10)
+    assert replies[0]["type"] == "REJECT"
+    assert "unreadable fingerprint" in replies[0]["reason"]
+    assert "top_k" in replies[0]["reason"]
+    assert len(raised) == 1 and isinstance(raised[0], AFDProtocolError)
+    assert str(raised[0]) == replies[0]["reason"]
+
+
 def test_unreachable_ffn_fails_after_connect_timeout():
     sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=0.5)
     att = S._connector(sc, "attention", 0)

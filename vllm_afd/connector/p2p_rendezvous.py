@@ -91,7 +91,12 @@ def _check_hello(
         )
     if key in seen or key == (AFDRole.FFN, 0):
         return key, f"{_name(*key)} joined twice; check the ranks of each process", []
-    theirs = Fingerprint.from_wire(msg["fingerprint"])
+    try:
+        theirs = Fingerprint.from_wire(msg["fingerprint"])
+    except (AFDProtocolError, KeyError, TypeError) as e:
+        # Another vllm-afd version with the same protocol version: reject it
+        # like a mismatch, so every endpoint learns why.
+        return key, f"{_name(*key)} sent an unreadable fingerprint ({e})", []
     fields = fp.diff(theirs)
     if fields:
         detail = fp.describe_diff(theirs, "ffn rank 0", _name(*key))
