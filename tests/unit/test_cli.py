@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -10,6 +11,8 @@ from vllm_afd.cli import main as cli
 from vllm_afd.cli.launch import (
     CPU_COMPILATION_CONFIG,
     DeploymentSpec,
+    LaunchError,
+    PlainServer,
     role_processes,
 )
 from vllm_afd.config import parse_afd_config
@@ -143,3 +146,50 @@ def test_ubatches_reach_the_attention_role_only() -> None:
     assert "num_ubatches" not in _afd(ffn)
     assert parse_afd_config(_afd(attention)).num_ubatches == 2
     assert "num_ubatches" not in _afd(role_processes(DeploymentSpec(model="m"))[1])
+
+
+def test_devices_per_role_and_the_baseline_gets_them_all(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["launch", "M", "-F", "2", "--attention-devices", "0,1", "--ffn-devices", "2,3"]
+    )
+    spec = DeploymentSpec.from_args(args, [])
+    spec.cpu_workaround = False
+    ffn0, ffn1, attention = role_processes(spec)
+    assert attention.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert (ffn0.env["CUDA_VISIBLE_DEVICES"], ffn1.env["CUDA_VISIBLE_DEVICES"]) == (
+        "2",
+        "3",
+    )
+    assert PlainServer(spec, log=None).process.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    bench = parser.parse_args(["bench", "--model", "M", "--ffn-devices", "1"])
+    assert DeploymentSpec.from_args(bench, []).ffn_devices == "1"
+    # not given: the environment's devices, for every process
+    plain = DeploymentSpec(model="m", cpu_workaround=False)
+    assert all(p.env["CUDA_VISIBLE_DEVICES"] == "7" for p in role_processes(plain))
+    assert PlainServer(plain, log=None).process.env["CUDA_VISIBLE_DEVICES"] == "7"
+
+
+@pytest.mark.parametrize(
+    ("attention", "ffn", "ranks", "message"),
+    [
+        ("0", "1,2,3", 2, "lists 3 devices for 2 FFN ranks"),
+        ("0,1", "1", 1, "GPU 1 is in both --attention-devices and --ffn-devices"),
+        ("0,", "1", 1, "--attention-devices='0,' has an empty entry"),
+    ],
+)
+def test_bad_device_lists_are_refused_before_anything_starts(
+    attention: str, ffn: str, ranks: int, message: str
+) -> None:
+    spec = DeploymentSpec(
+        model="m", ffn_ranks=ranks, attention_devices=attention, ffn_devices=ffn
+    )
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        role_processes(spec)
+
+
+def test_launch_reports_a_bad_device_list_and_exits_2(capsys) -> None:
+    code = cli.main(["launch", "M", "--attention-devices", "0", "--ffn-devices", "0"])
+    assert code == 2
+    assert "GPU 0 is in both" in capsys.readouterr().err

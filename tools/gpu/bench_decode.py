@@ -80,11 +80,8 @@ def write_v2_lite_config(out: Path) -> Path:
     return out
 
 
-def on_devices(process: object, devices: str) -> None:
-    env = dict(process.env)  # type: ignore[attr-defined]
-    env["CUDA_VISIBLE_DEVICES"] = devices
-    env.setdefault("NCCL_DEBUG", "INFO")  # the log shows the NCCL transport
-    process.env = env  # type: ignore[attr-defined]
+#: attention on GPU 0, FFN on GPU 1; a baseline gets both
+DEVICES = {"attention_devices": "0", "ffn_devices": "1"}
 
 
 def one_request_each(url: str, model: str, batch: int, args: argparse.Namespace):
@@ -225,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         ffn_port=port + 1,
         afd_port=port + 10,
         vllm_args=common,
+        **DEVICES,
     )
 
     def save() -> None:
@@ -239,8 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     for ubatches in [] if args.skip_afd else map(int, args.afd_ubatches.split(",")):
         spec.ubatches = ubatches
         afd = Deployment(spec, log=log)
-        on_devices(afd.attention, "0")
-        on_devices(afd.ffn, "1")
         try:
             afd.start(ready_timeout=400)
             record(measure(afd.api_url, args, afd_setup(ubatches), afd.ffn.url))
@@ -248,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
             afd.stop()
     for name in filter(None, args.baselines.split(",")):
         baseline = DeploymentSpec(
-            model=str(model_dir), port=port, vllm_args=[*common, *BASELINES[name]]
+            model=str(model_dir),
+            port=port,
+            vllm_args=[*common, *BASELINES[name]],
+            **DEVICES,
         )
         plain = PlainServer(baseline, log=log)
-        on_devices(plain.process, "0,1")
         try:
             plain.start(ready_timeout=400)
             record(measure(plain.url, args, f"plain-{name}"))
@@ -323,4 +321,5 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("NCCL_DEBUG", "INFO")  # the log shows the NCCL transport
     raise SystemExit(main())

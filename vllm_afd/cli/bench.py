@@ -42,7 +42,13 @@ from vllm_afd.cli.bench_workload import (
     timed_request,
 )
 from vllm_afd.cli.client import afd_metrics
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.cli.launch import (
+    Deployment,
+    DeploymentSpec,
+    LaunchError,
+    PlainServer,
+    add_device_flags,
+)
 from vllm_afd.config import DEFAULT_PORT
 
 
@@ -74,6 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--port", type=int, default=8000, help="API port (launch mode)")
     t.add_argument("--ffn-port", type=int, default=None)
     t.add_argument("--afd-port", type=int, default=DEFAULT_PORT)
+    add_device_flags(t)
     t.add_argument("--ready-timeout", type=float, default=600.0)
     t.add_argument("--server-log", help="write the servers' logs to this file")
     t.add_argument("-v", "--verbose", action="store_true", help="servers' logs")

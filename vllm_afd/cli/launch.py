@@ -105,7 +105,10 @@ class DeploymentSpec:
 
     ``vllm_args`` go to every role process (and to the plain baseline);
     ``attention_args`` / ``ffn_args`` only to that role (e.g. its
-    ``--tensor-parallel-size``).
+    ``--tensor-parallel-size``). ``attention_devices`` / ``ffn_devices`` are
+    comma-separated GPU lists (``CUDA_VISIBLE_DEVICES``) for the attention
+    server and for the FFN ranks, which split theirs into equal consecutive
+    groups, rank k the k-th; None leaves the environment's.
     """
 
     model: str
@@ -122,6 +125,8 @@ class DeploymentSpec:
     vllm_args: list[str] = field(default_factory=list)
     attention_args: list[str] = field(default_factory=list)
     ffn_args: list[str] = field(default_factory=list)
+    attention_devices: str | None = None
+    ffn_devices: str | None = None
     cpu_workaround: bool | None = None  # None: when no CUDA device is visible
 
     @classmethod
@@ -144,7 +149,47 @@ class DeploymentSpec:
             vllm_args=vllm_args,
             attention_args=getattr(args, "attention_args", []),
             ffn_args=getattr(args, "ffn_args", []),
+            attention_devices=getattr(args, "attention_devices", None),
+            ffn_devices=getattr(args, "ffn_devices", None),
         )
+
+    def role_devices(self) -> tuple[str | None, list[str | None]]:
+        """``CUDA_VISIBLE_DEVICES`` of the attention server and of each FFN
+        rank (None: inherited).
+
+        Raises:
+            LaunchError: an empty entry, an FFN list that does not split
+                evenly over the FFN ranks, or a GPU given to both roles (the
+                NCCL data plane needs one GPU per connector rank).
+        """
+        attention = _device_list("--attention-devices", self.attention_devices)
+        ffn = _device_list("--ffn-devices", self.ffn_devices)
+        if ffn and len(ffn) % self.ffn_ranks:
+            raise LaunchError(
+                f"--ffn-devices lists {len(ffn)} devices for {self.ffn_ranks} FFN "
+                "ranks; give every FFN rank the same number"
+            )
+        shared = [d for d in attention or () if d in (ffn or ())]
+        if shared:
+            raise LaunchError(
+                f"GPU {','.join(shared)} is in both --attention-devices and "
+                "--ffn-devices; the NCCL data plane needs each role on its own GPUs"
+            )
+        per_rank = len(ffn) // self.ffn_ranks if ffn else 0
+        ffns = [
+            ",".join(ffn[k * per_rank : (k + 1) * per_rank]) if ffn else None
+            for k in range(self.ffn_ranks)
+        ]
+        return (",".join(attention) if attention else None), ffns
+
+    def plain_devices(self) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of the plain baseline: every GPU the AFD
+        roles were given, so both run on the same hardware."""
+        attention = _device_list("--attention-devices", self.attention_devices)
+        ffn = _device_list("--ffn-devices", self.ffn_devices)
+        if attention is None and ffn is None:
+            return None
+        return ",".join([*(attention or ()), *(ffn or ())])
 
     def afd_config(self, role: str) -> dict:
         split = role == "attention" and self.ubatches > 1
@@ -159,6 +204,15 @@ class DeploymentSpec:
             "connector_extra_config": self.connector_extra_config,
             **({"num_ubatches": self.ubatches} if split else {}),
         }
+
+
+def _device_list(flag: str, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    devices = [d.strip() for d in value.split(",")]
+    if not all(devices):
+        raise LaunchError(f"{flag}={value!r} has an empty entry; e.g. {flag} 0,1")
+    return devices
 
 
 def _wants_cpu_workaround(spec: DeploymentSpec) -> bool:
@@ -198,8 +252,16 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
     if _wants_cpu_workaround(spec):
         common += ["--compilation-config", CPU_COMPILATION_CONFIG]
     ffn_port = spec.ffn_port or spec.port + 1
-    env = dict(os.environ)
-    env.pop("AFD_SERVER_PID", None)
+    attention_devices, ffn_devices = spec.role_devices()
+    base = dict(os.environ)
+    base.pop("AFD_SERVER_PID", None)
+
+    def env(devices: str | None) -> dict[str, str]:
+        own = dict(base)
+        if devices is not None:
+            own["CUDA_VISIBLE_DEVICES"] = devices
+        return own
+
     procs = []
     for k in range(spec.ffn_ranks):
         afd = spec.afd_config("ffn")
@@ -208,12 +270,12 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
         extra = ["--additional-config", json.dumps({"afd": afd})]
         name = "ffn" if spec.ffn_ranks == 1 else f"ffn{k}"
         argv = serve_argv(spec.model, ffn_port + k, extra + spec.ffn_args + common)
-        procs.append(RoleProcess(name, argv, ffn_port + k, env))
+        procs.append(RoleProcess(name, argv, ffn_port + k, env(ffn_devices[k])))
     extra = ["--additional-config", json.dumps({"afd": spec.afd_config("attention")})]
     if spec.attention_ranks > 1:
         extra += ["--data-parallel-size", str(spec.attention_ranks)]
     argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common)
-    procs.append(RoleProcess("attention", argv, spec.port, env))
+    procs.append(RoleProcess("attention", argv, spec.port, env(attention_devices)))
     return procs
 
 
@@ -347,14 +409,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="extra vllm serve arguments for every FFN rank only",
     )
+    add_device_flags(p)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
 
 
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """``--attention-devices`` / ``--ffn-devices`` (launch and bench)."""
+    p.add_argument(
+        "--attention-devices",
+        metavar="LIST",
+        help="CUDA_VISIBLE_DEVICES of the attention server, e.g. 0",
+    )
+    p.add_argument(
+        "--ffn-devices",
+        metavar="LIST",
+        help="CUDA_VISIBLE_DEVICES of the FFN ranks, split evenly, rank k the "
+        "k-th group, e.g. 1 (one rank) or 2,3 (two ranks)",
+    )
+
+
 def run_launch(args: argparse.Namespace) -> int:
     spec = DeploymentSpec.from_args(args, list(args.vllm_args))
-    deployment = Deployment(spec)
+    try:
+        deployment = Deployment(spec)
+    except LaunchError as exc:
+        print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -391,6 +473,9 @@ class PlainServer:
             common += ["--compilation-config", CPU_COMPILATION_CONFIG]
         env = dict(os.environ)
         env.pop("AFD_SERVER_PID", None)
+        devices = spec.plain_devices()
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         self.process = RoleProcess(
             "plain",
             serve_argv(spec.model, port or spec.port, common),
