@@ -112,6 +112,20 @@ def test_create_engine_config_without_afd_key_keeps_user_model_overrides(
     assert config.parallel_config.worker_cls == CPU_DEFAULT_WORKER
 
 
+def test_ffn_role_on_cpu_reserves_no_kv_cache_memory(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU worker asks --gpu-memory-utilization of the RAM to be free
+    for the KV cache unless a KV cache size is set; the FFN role has none."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    ffn = _engine_args(checkpoint, {"role": "ffn"}).create_engine_config()
+    assert ffn.cache_config.kv_cache_memory_bytes == 0
+    attention = _engine_args(checkpoint, {"role": "attention"}).create_engine_config()
+    assert attention.cache_config.kv_cache_memory_bytes is None  # vLLM's default
+    mine = _engine_args(checkpoint, {"role": "ffn"}, kv_cache_memory_bytes=1 << 20)
+    assert mine.create_engine_config().cache_config.kv_cache_memory_bytes == 1 << 20
+
+
 @pytest.mark.parametrize(
     ("role", "worker"),
     [("attention", AFD_CPU_ATTENTION_WORKER), ("ffn", AFD_CPU_FFN_WORKER)],

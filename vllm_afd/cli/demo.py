@@ -25,6 +25,10 @@ from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
 
 DEFAULT_DIR = Path.home() / ".cache" / "vllm-afd" / "tiny"
 DEMO_VLLM_ARGS = [
+    # A KV cache the tiny model fits in many times over; without it vLLM
+    # sizes the cache by --gpu-memory-utilization (on CPU: of the RAM).
+    "--kv-cache-memory-bytes",
+    "1G",
     "--max-model-len",
     "512",
     "--max-num-seqs",

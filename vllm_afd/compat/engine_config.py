@@ -135,6 +135,16 @@ def apply_afd_to_vllm_config(
         # The FFN role holds no KV cache (an empty KV cache spec); vLLM's
         # prefix-caching KV manager needs at least one cache group.
         config.cache_config.enable_prefix_caching = False
+        from vllm.platforms import current_platform
+
+        if (
+            current_platform.is_cpu()
+            and config.cache_config.kv_cache_memory_bytes is None
+        ):
+            # vLLM's CPU worker refuses to start unless gpu_memory_utilization
+            # (0.92) of the node's RAM is free, to hold a KV cache this role
+            # never has. A KV cache size of 0 skips that check.
+            config.cache_config.kv_cache_memory_bytes = 0
     # Normalised copy for the workers: they re-parse it, so keep it plain.
     config.additional_config["afd"] = afd.to_dict()
 
