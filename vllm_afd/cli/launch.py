@@ -185,11 +185,9 @@ class DeploymentSpec:
     def plain_devices(self) -> str | None:
         """``CUDA_VISIBLE_DEVICES`` of the plain baseline: every GPU the AFD
         roles were given, so both run on the same hardware."""
-        attention = _device_list("--attention-devices", self.attention_devices)
-        ffn = _device_list("--ffn-devices", self.ffn_devices)
-        if attention is None and ffn is None:
-            return None
-        return ",".join([*(attention or ()), *(ffn or ())])
+        attention, ffns = self.role_devices()
+        given = [d for d in (attention, *ffns) if d is not None]
+        return ",".join(given) if given else None
 
     def afd_config(self, role: str) -> dict:
         split = role == "attention" and self.ubatches > 1
