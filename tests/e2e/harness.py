@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
+from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
 
 #: settings shared by AFD and the baseline: exactness is "same settings"
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
@@ -233,8 +233,23 @@ def http_error(url: str, body: dict[str, Any], timeout: float) -> tuple[int, str
         return err.code, err.read().decode()
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 also free (``afd.port`` and the data-plane store)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
 def make_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
-    port, ffn_port, afd_port = free_ports(3)
+    afd_port = free_port_pair()
+    others = [p for p in free_ports(4) if p not in (afd_port, afd_port + 1)]
+    port, ffn_port = others[:2]
     return DeploymentSpec(
         model=str(model),
         port=port,
@@ -258,6 +273,19 @@ class LogSink(io.StringIO):
     def write(self, s: str) -> int:
         with self._lock:
             return super().write(s)
+
+
+def start(spec: DeploymentSpec, **kw: Any) -> tuple[Deployment, LogSink]:
+    """A started deployment and its role logs; when it fails to start, the
+    error carries the logs' last lines (the cause is in them)."""
+    log = LogSink()
+    afd = Deployment(spec, log=log)
+    try:
+        afd.start(**kw)
+    except LaunchError as e:
+        tail = "\n".join(log.getvalue().splitlines()[-80:])
+        raise LaunchError(f"{e}; last log lines:\n{tail}") from None
+    return afd, log
 
 
 _PARAM_LINE = re.compile(

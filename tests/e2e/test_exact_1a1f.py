@@ -15,7 +15,6 @@ import json
 
 import pytest
 from harness import (
-    Deployment,
     assert_same_outputs,
     http_error,
     make_spec,
@@ -24,6 +23,7 @@ from harness import (
     run_workload,
     served_model,
     settled_metrics,
+    start,
 )
 
 pytestmark = pytest.mark.e2e
@@ -53,8 +53,7 @@ def test_afd_1a1f_greedy_output_equals_plain_vllm(
     spec = make_spec(tiny_models[arch], ["--dtype", dtype, *extra])
     texts = prompts(16)
 
-    afd = Deployment(spec, log=None)
-    afd.start(attention_first=attention_first, stagger_s=5.0)
+    afd, _ = start(spec, attention_first=attention_first, stagger_s=5.0)
     try:
         model = served_model(afd.api_url)
         afd_out = run_workload(afd.api_url, model, texts)

@@ -11,12 +11,11 @@ import time
 
 import pytest
 from harness import (
-    Deployment,
-    LogSink,
     assert_ffn_kill_fails_requests,
     complete,
     make_spec,
     served_model,
+    start,
 )
 
 pytestmark = pytest.mark.e2e
@@ -25,20 +24,17 @@ TIMEOUT_S = 10.0
 LONG = 450  # new tokens: far more than decode in the 2 s before the kill
 
 
-def _start(tiny_models, log):
+def _start(tiny_models):
     spec = make_spec(
         tiny_models["deepseek_v2"],
         ["--dtype", "float32", "--enforce-eager"],
         connector_extra_config={"timeout_s": TIMEOUT_S},
     )
-    afd = Deployment(spec, log=log)
-    afd.start()
-    return afd
+    return start(spec)
 
 
 def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
-    log = LogSink()
-    afd = _start(tiny_models, log)
+    afd, log = _start(tiny_models)
     try:
         assert_ffn_kill_fails_requests(afd, LONG, after_s=2.0, join_s=TIMEOUT_S + 60)
     finally:
@@ -48,7 +44,7 @@ def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
 
 
 def test_attention_stop_makes_ffn_exit_cleanly(tiny_models):
-    afd = _start(tiny_models, None)
+    afd, _ = _start(tiny_models)
     try:
         model = served_model(afd.api_url)
         complete(afd.api_url, model, "hello", 4, stream=False)

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 from harness import (
-    Deployment,
-    LogSink,
     assert_same_outputs,
     make_spec,
     parameter_bytes,
@@ -30,6 +28,7 @@ from harness import (
     run_workload,
     served_model,
     settled_metrics,
+    start,
 )
 
 from vllm_afd.models.ownership import LayerLayout
@@ -49,9 +48,7 @@ def _run(tiny_models, arch, gate_on_attention, args=FP32_EAGER):
         gate_on_attention=gate_on_attention,
     )
     texts = prompts(16)
-    log = LogSink()
-    afd = Deployment(spec, log=log)
-    afd.start()
+    afd, log = start(spec)
     try:
         afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
         ffn_metrics = settled_metrics(afd.ffn.url)

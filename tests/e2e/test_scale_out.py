@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 from harness import (
-    Deployment,
     assert_same_outputs,
     make_spec,
     plain_outputs,
     prompts,
     run_workload,
     served_model,
+    start,
 )
 
 from vllm_afd.cli.client import afd_metrics
@@ -65,8 +65,7 @@ def test_topology_greedy_output_equals_plain_vllm(
         ffn_ranks=f,
     )
     texts = prompts(16)
-    afd = Deployment(spec, log=None)
-    afd.start()
+    afd, _ = start(spec)
     try:
         afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
         ffn_steps = [
