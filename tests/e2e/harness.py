@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import re
 import socket
 import threading
@@ -41,23 +42,44 @@ def prompts(n: int = 16) -> list[str]:
     return out
 
 
-def free_port() -> int:
+def _ephemeral_low() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+#: own generator: a test seeding ``random`` must not replay the same ports
+_PORTS = random.Random()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free ports below the kernel's ephemeral range.
+
+    The servers bind them a while later; a port from the ephemeral range
+    could meanwhile be taken by any process's port-0 bind (vLLM makes many
+    while it starts), and the server would fail at start-up.
+    """
+    found: list[int] = []
+    while len(found) < n:
+        port = _PORTS.randrange(10000, _ephemeral_low() - 1)
+        if port not in found and _bindable(port):
+            found.append(port)
+    return found
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 @dataclass(frozen=True)
@@ -234,15 +256,11 @@ def http_error(url: str, body: dict[str, Any], timeout: float) -> tuple[int, str
 
 
 def free_port_pair() -> int:
-    """A port p with p + 1 also free (``afd.port`` and the data-plane store)."""
+    """A free port p with p + 1 also free (``afd.port`` and the data-plane
+    store)."""
     while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        port = free_port()
+        if _bindable(port + 1):
             return port
 
 
