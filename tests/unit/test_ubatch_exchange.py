@@ -131,6 +131,9 @@ def test_micro_batches_exchange_exactly_and_in_overlap_order(served):
         for layer in LAYERS:
             # Micro-batch 1's layer runs while micro-batch 0's is away.
             assert log.index(("send", layer, 1)) < log.index(("received", layer, 0))
+    # The FFN counts a step after its last send: end the loop before reading.
+    att.close()
+    loop._thread.join(10)
     assert att.stats.steps == 3 and loop.stats.ubatched_steps == 3
 
 
