@@ -33,11 +33,8 @@ FULL_DECODE_ONLY = [
 
 
 def on_devices(process: Any, devices: str, **extra_env: str) -> None:
-    """Give one role process (``launch.RoleProcess``) its own visible GPUs.
-
-    The launcher hands every role the same environment dict; this replaces
-    the process's copy instead of editing the shared one.
-    """
+    """Give one role process (``launch.RoleProcess``) its own visible GPUs
+    and extra environment variables (a new dict; the process's is kept)."""
     env = dict(process.env)
     env["CUDA_VISIBLE_DEVICES"] = devices
     env.update(extra_env)

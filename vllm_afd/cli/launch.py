@@ -240,6 +240,16 @@ def serve_argv(model: str, port: int, extra: Sequence[str]) -> list[str]:
     ]
 
 
+def child_env(devices: str | None) -> dict[str, str]:
+    """A server process's own environment: this one's, without the parent
+    server's pid, with ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is."""
+    env = dict(os.environ)
+    env.pop("AFD_SERVER_PID", None)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    return env
+
+
 def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
     """The processes of ``spec``: FFN ranks first (FFN 0 hosts the rendezvous).
 
@@ -251,15 +261,6 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
         common += ["--compilation-config", CPU_COMPILATION_CONFIG]
     ffn_port = spec.ffn_port or spec.port + 1
     attention_devices, ffn_devices = spec.role_devices()
-    base = dict(os.environ)
-    base.pop("AFD_SERVER_PID", None)
-
-    def env(devices: str | None) -> dict[str, str]:
-        own = dict(base)
-        if devices is not None:
-            own["CUDA_VISIBLE_DEVICES"] = devices
-        return own
-
     procs = []
     for k in range(spec.ffn_ranks):
         afd = spec.afd_config("ffn")
@@ -268,12 +269,14 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
         extra = ["--additional-config", json.dumps({"afd": afd})]
         name = "ffn" if spec.ffn_ranks == 1 else f"ffn{k}"
         argv = serve_argv(spec.model, ffn_port + k, extra + spec.ffn_args + common)
-        procs.append(RoleProcess(name, argv, ffn_port + k, env(ffn_devices[k])))
+        env = child_env(ffn_devices[k])
+        procs.append(RoleProcess(name, argv, ffn_port + k, env))
     extra = ["--additional-config", json.dumps({"afd": spec.afd_config("attention")})]
     if spec.attention_ranks > 1:
         extra += ["--data-parallel-size", str(spec.attention_ranks)]
     argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common)
-    procs.append(RoleProcess("attention", argv, spec.port, env(attention_devices)))
+    env = child_env(attention_devices)
+    procs.append(RoleProcess("attention", argv, spec.port, env))
     return procs
 
 
@@ -469,16 +472,11 @@ class PlainServer:
         common = list(spec.vllm_args)
         if _wants_cpu_workaround(spec):
             common += ["--compilation-config", CPU_COMPILATION_CONFIG]
-        env = dict(os.environ)
-        env.pop("AFD_SERVER_PID", None)
-        devices = spec.plain_devices()
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
         self.process = RoleProcess(
             "plain",
             serve_argv(spec.model, port or spec.port, common),
             port or spec.port,
-            env,
+            child_env(spec.plain_devices()),
         )
         self.log = log
 
