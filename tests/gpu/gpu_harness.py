@@ -1,4 +1,5 @@
-"""Helpers for GPU end-to-end tests: one set of visible GPUs per role process."""
+"""Helpers for GPU end-to-end tests: attention on GPU 0, the FFN on GPU 1,
+set through the deployment spec's ``attention_devices`` / ``ffn_devices``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from harness import (
     Completion,
     Deployment,
+    make_spec,
     plain_outputs,
     run_workload,
     served_model,
@@ -32,13 +34,19 @@ FULL_DECODE_ONLY = [
 ]
 
 
-def on_devices(process: Any, devices: str, **extra_env: str) -> None:
-    """Give one role process (``launch.RoleProcess``) its own visible GPUs
-    and extra environment variables (a new dict; the process's is kept)."""
-    env = dict(process.env)
-    env["CUDA_VISIBLE_DEVICES"] = devices
-    env.update(extra_env)
-    process.env = env
+#: one GPU per role, unless a test places them otherwise
+ROLE_DEVICES = {"attention_devices": "0", "ffn_devices": "1"}
+
+
+def gpu_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
+    """``harness.make_spec`` with the roles on GPUs 0 and 1 by default."""
+    return make_spec(model, extra, **{**ROLE_DEVICES, **kw})
+
+
+def add_env(afd: Deployment, **env: str) -> None:
+    """Extra environment variables for every role process (new dicts)."""
+    for process in afd.processes:
+        process.env = {**process.env, **env}
 
 
 def nccl_ranks_seen(log_text: str) -> set[int]:
@@ -54,14 +62,13 @@ def afd_and_plain(
     tmp_path: Path,
     env: dict[str, str] | None = None,
 ) -> tuple[list[Completion], list[Completion], dict]:
-    """The workload's outputs from AFD (attention on GPU 0, FFN on GPU 1) and
-    from plain vLLM on GPU 0, each in one server lifetime, and the FFN's
-    settled counters. ``env`` goes to every server; logs to ``tmp_path``."""
+    """The workload's outputs from AFD (on ``spec``'s devices) and from plain
+    vLLM on GPU 0, each in one server lifetime, and the FFN's settled
+    counters. ``env`` goes to every server; logs to ``tmp_path``."""
     env = env or {}
     with (tmp_path / "afd.log").open("w") as log:
         afd = Deployment(spec, log=log)
-        on_devices(afd.attention, "0", **env)
-        on_devices(afd.ffn, "1", **env)
+        add_env(afd, **env)
         try:
             afd.start(ready_timeout=600)
             afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import FULL_DECODE_ONLY, afd_and_plain, same_count
-from harness import Completion, assert_same_outputs, make_spec, prompts
+from gpu_harness import FULL_DECODE_ONLY, afd_and_plain, gpu_spec, same_count
+from harness import Completion, assert_same_outputs, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def _afd_and_plain(
 ) -> tuple[list[Completion], list[Completion], dict]:
     texts = prompts(16)
     afd_out, plain_out, ffn = afd_and_plain(
-        make_spec(model, [*COMMON, *extra]), texts, tmp_path
+        gpu_spec(model, [*COMMON, *extra]), texts, tmp_path
     )
     print(
         f"{model.name} {extra}: FFN steps {ffn.get(('afd_steps', 'ffn', '0'), 0):.0f}"

@@ -12,11 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import GPU_ARGS, nccl_ranks_seen, on_devices
+from gpu_harness import GPU_ARGS, add_env, gpu_spec, nccl_ranks_seen
 from harness import (
     Deployment,
     assert_same_outputs,
-    make_spec,
     plain_outputs,
     prompts,
     run_workload,
@@ -35,14 +34,13 @@ ATOL = 1e-2
 def test_afd_1a1f_two_gpus_nccl_greedy_output_equals_plain_vllm(
     gpu_tiny_models: dict[str, Path], tmp_path: Path, arch: str
 ) -> None:
-    spec = make_spec(gpu_tiny_models[arch], GPU_ARGS)
+    spec = gpu_spec(gpu_tiny_models[arch], GPU_ARGS)
     texts = prompts(16)
 
     afd_log = tmp_path / "afd.log"
     with afd_log.open("w") as log:
         afd = Deployment(spec, log=log)
-        on_devices(afd.attention, "0", NCCL_DEBUG="INFO")
-        on_devices(afd.ffn, "1", NCCL_DEBUG="INFO")
+        add_env(afd, NCCL_DEBUG="INFO")
         try:
             afd.start(ready_timeout=300)
             model = served_model(afd.api_url)

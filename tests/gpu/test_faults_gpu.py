@@ -9,12 +9,11 @@ within seconds, new requests fail, and the attention log names the FFN peer.
 from __future__ import annotations
 
 import pytest
-from gpu_harness import FULL_DECODE_ONLY, on_devices
+from gpu_harness import FULL_DECODE_ONLY, gpu_spec
 from harness import (
     Deployment,
     LogSink,
     assert_ffn_kill_fails_requests,
-    make_spec,
 )
 
 pytestmark = pytest.mark.gpu
@@ -33,9 +32,7 @@ LONG = 2000  # new tokens: seconds of graph decode, well past the kill
 
 def test_ffn_killed_during_graph_decode_fails_requests_at_once(gpu_tiny_models):
     log = LogSink()
-    afd = Deployment(make_spec(gpu_tiny_models["deepseek_v2"], GRAPHS), log=log)
-    on_devices(afd.attention, "0")
-    on_devices(afd.ffn, "1")
+    afd = Deployment(gpu_spec(gpu_tiny_models["deepseek_v2"], GRAPHS), log=log)
     try:
         afd.start(ready_timeout=600)
         seconds = assert_ffn_kill_fails_requests(afd, LONG, after_s=0.5, join_s=60)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import FULL_DECODE_ONLY, afd_and_plain, same_count
-from harness import assert_same_outputs, make_spec, prompts
+from gpu_harness import FULL_DECODE_ONLY, afd_and_plain, gpu_spec, same_count
+from harness import assert_same_outputs, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +48,7 @@ def test_two_micro_batches_equal_plain_vllm(
     gpu_tiny_models: dict[str, Path], tmp_path: Path, mode: str
 ) -> None:
     model = gpu_tiny_models["deepseek_v2"]
-    spec = make_spec(model, [*COMMON, *MODES[mode]], ubatches=2)
+    spec = gpu_spec(model, [*COMMON, *MODES[mode]], ubatches=2)
     texts = prompts(16)
     env = {"VLLM_BATCH_INVARIANT": "1"} if mode == "batch_invariant" else {}
     afd_out, plain_out, ffn = afd_and_plain(spec, texts, tmp_path, env)
