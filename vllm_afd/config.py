@@ -58,6 +58,10 @@ class AFDConfig:
             while another's activations are in transfer or on the FFN
             (dual-batch overlap at 2). 1 turns it off. The FFN role follows
             the step plans and ignores it.
+        attention_ranks_per_device: attention role on CUDA: how many
+            consecutive attention ranks (vLLM data-parallel ranks) share one
+            device set, e.g. 2 puts both ranks of a 2A1F deployment on one
+            GPU. 1 gives every rank its own, as vLLM does.
     """
 
     role: AFDRole
@@ -72,6 +76,7 @@ class AFDConfig:
     )
     rank: int | None = None
     num_ubatches: int = 1
+    attention_ranks_per_device: int = 1
 
     @property
     def is_attention(self) -> bool:
@@ -94,6 +99,11 @@ class AFDConfig:
             "connector_extra_config": dict(self.connector_extra_config),
             **({} if self.rank is None else {"rank": self.rank}),
             **({} if self.num_ubatches == 1 else {"num_ubatches": self.num_ubatches}),
+            **(
+                {}
+                if self.attention_ranks_per_device == 1
+                else {"attention_ranks_per_device": self.attention_ranks_per_device}
+            ),
         }
 
 
@@ -108,6 +118,7 @@ _KEYS: dict[str, type] = {
     "connector_extra_config": dict,
     "rank": int,
     "num_ubatches": int,
+    "attention_ranks_per_device": int,
 }
 
 
@@ -232,6 +243,20 @@ def parse_afd_config(raw: Any) -> AFDConfig:
             "2 gives dual-batch overlap, 1 turns micro-batching off"
         )
 
+    per_device = raw.get(
+        "attention_ranks_per_device", AFDConfig.attention_ranks_per_device
+    )
+    if not 1 <= per_device <= num_a:
+        raise AFDConfigError(
+            f"afd.attention_ranks_per_device={per_device} is outside 1..{num_a} "
+            f"(afd.num_attention_ranks={num_a})"
+        )
+    if per_device != 1 and role is AFDRole.FFN:
+        raise AFDConfigError(
+            f"afd.attention_ranks_per_device={per_device} is for the attention "
+            "role only; give each FFN rank its own device"
+        )
+
     # The connector factory is the single source of connector names and of
     # the keys each connector accepts. Imported here: it sits above config.
     from vllm_afd.connector import factory
@@ -251,6 +276,7 @@ def parse_afd_config(raw: Any) -> AFDConfig:
         connector_extra_config=MappingProxyType(dict(extra)),
         rank=rank,
         num_ubatches=num_ubatches,
+        attention_ranks_per_device=per_device,
     )
 
 

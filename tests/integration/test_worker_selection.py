@@ -441,3 +441,17 @@ def test_create_engine_config_ubatches_on_cpu_raise_config_error(
     # The FFN role follows the step plans: the key is accepted and unused.
     ffn = _engine_args(checkpoint, {"role": "ffn", "num_ubatches": 2})
     assert ffn.create_engine_config().parallel_config.worker_cls == AFD_CPU_FFN_WORKER
+
+
+def test_create_engine_config_shared_devices_on_cpu_raise_config_error(
+    checkpoint: Path,
+) -> None:
+    afd = {
+        "role": "attention",
+        "num_attention_ranks": 2,
+        "attention_ranks_per_device": 2,
+    }
+    with pytest.raises(
+        AFDConfigError, match=r"afd.attention_ranks_per_device=2 places attention ranks"
+    ):
+        _engine_args(checkpoint, afd, data_parallel_size=2).create_engine_config()

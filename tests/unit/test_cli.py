@@ -193,3 +193,51 @@ def test_launch_reports_a_bad_device_list_and_exits_2(capsys) -> None:
     code = cli.main(["launch", "M", "--attention-devices", "0", "--ffn-devices", "0"])
     assert code == 2
     assert "GPU 0 is in both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("ranks", "devices", "args", "per_device"),
+    [
+        (2, "0", [], 2),
+        (4, "0,1", [], 2),
+        (2, "0,1", [], 1),
+        (2, "0,1,2", [], 1),
+        (2, "0,1", ["--tensor-parallel-size", "2"], 2),
+        (2, "0,1", ["-tp=2"], 2),
+        (2, None, [], 1),
+    ],
+)
+def test_fewer_attention_gpus_than_ranks_share_them(
+    ranks: int, devices: str | None, args: list[str], per_device: int
+) -> None:
+    spec = DeploymentSpec(
+        model="m",
+        attention_ranks=ranks,
+        attention_devices=devices,
+        ffn_devices="7",
+        attention_args=args,
+        cpu_workaround=False,
+    )
+    assert spec.attention_ranks_per_device() == per_device
+    ffn, attention = role_processes(spec)
+    assert parse_afd_config(_afd(attention)).attention_ranks_per_device == per_device
+    assert "attention_ranks_per_device" not in _afd(ffn)
+
+
+def test_shared_attention_gpus_get_a_memory_share_unless_one_is_given() -> None:
+    spec = DeploymentSpec(
+        model="m", attention_ranks=2, attention_devices="0", cpu_workaround=False
+    )
+    attention = role_processes(spec)[-1]
+    i = attention.argv.index("--gpu-memory-utilization")
+    assert attention.argv[i + 1] == "0.45"
+    spec.attention_args = ["--gpu-memory-utilization=0.3"]
+    assert role_processes(spec)[-1].argv.count("--gpu-memory-utilization") == 0
+    alone = DeploymentSpec(model="m", attention_ranks=2, attention_devices="0,1")
+    assert "--gpu-memory-utilization" not in role_processes(alone)[-1].argv
+
+
+def test_attention_gpus_that_do_not_split_over_the_ranks_are_refused() -> None:
+    spec = DeploymentSpec(model="m", attention_ranks=3, attention_devices="0,1")
+    with pytest.raises(LaunchError, match="lists 2 GPUs for 3 attention ranks"):
+        role_processes(spec)

@@ -198,7 +198,9 @@ def test_parse_unknown_key_suggests_closest_name(key: str, suggestion: str) -> N
 def test_parse_unknown_key_without_close_match_lists_valid_keys() -> None:
     err = _raises(_cfg(zzzzzz=1), "unknown key afd.zzzzzz")
     assert "did you mean" not in str(err)
-    assert "Valid keys: compute_gate_on_attention, connector" in str(err)
+    assert "Valid keys: attention_ranks_per_device, compute_gate_on_attention" in str(
+        err
+    )
 
 
 @pytest.mark.parametrize(
@@ -382,3 +384,30 @@ def test_parse_rank_outside_num_ffn_ranks_rejected(rank: int) -> None:
 def test_parse_rank_required_on_ffn_role_with_several_ffn_ranks() -> None:
     with pytest.raises(AFDConfigError, match=r"afd.rank is required .* afd.rank=0..1"):
         parse_afd_config({"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2})
+
+
+def test_attention_ranks_per_device_parses_and_round_trips() -> None:
+    cfg = parse_afd_config(
+        _cfg(num_attention_ranks=4, num_ffn_ranks=2, attention_ranks_per_device=2)
+    )
+    assert cfg.attention_ranks_per_device == 2
+    assert parse_afd_config(cfg.to_dict()) == cfg
+    assert "attention_ranks_per_device" not in parse_afd_config(_cfg()).to_dict()
+
+
+@pytest.mark.parametrize("k", [0, -1, 3])
+def test_attention_ranks_per_device_outside_the_ranks_raises(k: int) -> None:
+    _raises(
+        _cfg(num_attention_ranks=2, attention_ranks_per_device=k),
+        re.escape(
+            f"afd.attention_ranks_per_device={k} is outside 1..2 "
+            "(afd.num_attention_ranks=2)"
+        ),
+    )
+
+
+def test_attention_ranks_per_device_on_the_ffn_role_raises() -> None:
+    _raises(
+        {"role": "ffn", "num_attention_ranks": 2, "attention_ranks_per_device": 2},
+        re.escape("afd.attention_ranks_per_device=2 is for the attention role only"),
+    )

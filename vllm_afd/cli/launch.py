@@ -108,7 +108,9 @@ class DeploymentSpec:
     ``--tensor-parallel-size``). ``attention_devices`` / ``ffn_devices`` are
     comma-separated GPU lists (``CUDA_VISIBLE_DEVICES``) for the attention
     server and for the FFN ranks, which split theirs into equal consecutive
-    groups, rank k the k-th; None leaves the environment's.
+    groups, rank k the k-th; None leaves the environment's. An attention
+    list shorter than the attention ranks need puts several ranks on each
+    GPU (:meth:`attention_ranks_per_device`).
     """
 
     model: str
@@ -182,6 +184,28 @@ class DeploymentSpec:
         ]
         return (",".join(attention) if attention else None), ffns
 
+    def attention_ranks_per_device(self) -> int:
+        """How many attention ranks share each attention device set: more
+        than 1 when ``attention_devices`` lists fewer GPUs than the ranks
+        need (attention ranks x the attention's ``--tensor-parallel-size``).
+
+        Raises:
+            LaunchError: the listed GPUs do not split evenly over the ranks.
+        """
+        attention = _device_list("--attention-devices", self.attention_devices)
+        tp = tensor_parallel_size([*self.vllm_args, *self.attention_args])
+        if not attention or len(attention) >= self.attention_ranks * tp:
+            return 1
+        sets = len(attention) // tp
+        if len(attention) % tp or self.attention_ranks % sets:
+            raise LaunchError(
+                f"--attention-devices lists {len(attention)} GPUs for "
+                f"{self.attention_ranks} attention ranks of {tp} GPU(s) each; to "
+                "share GPUs, list a number of GPU sets (of the TP size) that "
+                "divides the attention ranks"
+            )
+        return self.attention_ranks // sets
+
     def plain_devices(self) -> str | None:
         """``CUDA_VISIBLE_DEVICES`` of the plain baseline: every GPU the AFD
         roles were given, so both run on the same hardware."""
@@ -191,6 +215,7 @@ class DeploymentSpec:
 
     def afd_config(self, role: str) -> dict:
         split = role == "attention" and self.ubatches > 1
+        per_device = self.attention_ranks_per_device() if role == "attention" else 1
         return {
             "role": role,
             "connector": self.connector,
@@ -201,6 +226,7 @@ class DeploymentSpec:
             "compute_gate_on_attention": self.gate_on_attention,
             "connector_extra_config": self.connector_extra_config,
             **({"num_ubatches": self.ubatches} if split else {}),
+            **({"attention_ranks_per_device": per_device} if per_device > 1 else {}),
         }
 
 
@@ -211,6 +237,31 @@ def _device_list(flag: str, value: str | None) -> list[str] | None:
     if not all(devices):
         raise LaunchError(f"{flag}={value!r} has an empty entry; e.g. {flag} 0,1")
     return devices
+
+
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` / ``-tp`` in vLLM arguments (1 if none;
+    the last one given wins, as in vLLM's parser)."""
+    size = 1
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            if not value and i + 1 < len(args):
+                value = args[i + 1]
+            with contextlib.suppress(ValueError):
+                size = int(value)
+    return size
+
+
+def shared_gpu_memory_args(spec: DeploymentSpec, per_device: int) -> list[str]:
+    """``--gpu-memory-utilization`` for attention ranks that share a GPU: each
+    gets 0.9 / ranks-per-device, unless the arguments set it."""
+    given = [*spec.vllm_args, *spec.attention_args]
+    if per_device == 1 or any(
+        a.partition("=")[0] == "--gpu-memory-utilization" for a in given
+    ):
+        return []
+    return ["--gpu-memory-utilization", f"{0.9 / per_device:.2f}"]
 
 
 def _wants_cpu_workaround(spec: DeploymentSpec) -> bool:
@@ -274,6 +325,7 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
     extra = ["--additional-config", json.dumps({"afd": spec.afd_config("attention")})]
     if spec.attention_ranks > 1:
         extra += ["--data-parallel-size", str(spec.attention_ranks)]
+    extra += shared_gpu_memory_args(spec, spec.attention_ranks_per_device())
     argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common)
     env = child_env(attention_devices)
     procs.append(RoleProcess("attention", argv, spec.port, env))

@@ -204,6 +204,24 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
         )
     if afd.num_ubatches > 1 and afd.is_attention:
         check_ubatches_supported(afd, parallel)
+    if afd.attention_ranks_per_device > 1:
+        check_device_sharing_supported(afd)
+
+
+def check_device_sharing_supported(afd: AFDConfig) -> None:
+    """Attention ranks share devices on CUDA only.
+
+    Raises:
+        AFDConfigError: naming afd.attention_ranks_per_device and the platform.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        raise AFDConfigError(
+            f"afd.attention_ranks_per_device={afd.attention_ranks_per_device} "
+            f"places attention ranks on CUDA devices; this platform is "
+            f"{current_platform.device_type}. Use 1"
+        )
 
 
 def check_ubatches_supported(afd: AFDConfig, parallel: Any) -> None:

@@ -7,7 +7,8 @@ starts the connector once the role-split model is loaded, closes it on
 shutdown, and announces each FULL CUDA graph replay to the FFN role: a replay
 never runs the model's forward, where the other plans are sent. With
 ``afd.num_ubatches = 2`` it runs vLLM's micro-batch runner on one rank
-(:mod:`vllm_afd.worker.ubatching`).
+(:mod:`vllm_afd.worker.ubatching`); with ``afd.attention_ranks_per_device``
+above 1, several ranks share a GPU (:mod:`vllm_afd.worker.device_sharing`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm_afd.compat.workers import CUDA_DEFAULT_WORKER, check_runner_generation
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import current_exchange
 from vllm_afd.worker.attention_side import AttentionSideMixin, announce_replays
+from vllm_afd.worker.device_sharing import sharing_devices
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
 from vllm_afd.worker.ubatching import enable_ubatching, ubatch_runner_for_one_rank
 
@@ -64,6 +66,10 @@ class AFDAttentionWorker(Worker):
 
     def init_device(self) -> None:
         require_v2_runner(self)
-        enable_ubatching(self.vllm_config, afd_config_of(self.vllm_config))
-        with swapped_runner(CUDA_RUNNER, AFDAttentionModelRunner):
+        afd = afd_config_of(self.vllm_config)
+        enable_ubatching(self.vllm_config, afd)
+        with (
+            swapped_runner(CUDA_RUNNER, AFDAttentionModelRunner),
+            sharing_devices(self, afd.attention_ranks_per_device),
+        ):
             super().init_device()
