@@ -14,7 +14,8 @@ kernels may pick another reduction order for another row count. The
 single bit: it must be token-identical, and so must ``full_graphs`` (measured
 16/16). The ``eager`` case uses the default kernels, where a split may round
 differently (measured: 15/16 identical in one run, the 16th a logprob 0.03 off
-at token 51; 16/16 in another); it asserts that steps were split and served and reports the agreement.
+at token 51; 16/16 in another); it asserts that steps were split and served
+and reports the agreement.
 """
 
 from __future__ import annotations
