@@ -41,6 +41,13 @@ CASES = [
     ("1A1F-tp2", 1, 1, TP2),
 ]
 
+#: logprob tolerance with 2+ attention ranks. Token ids must be identical in
+#: every case. vLLM spreads the requests over its DP ranks by load, so each
+#: attention rank, and the FFN's merged batch, holds other rows than plain
+#: vLLM's one batch, and CPU fp32 GEMMs of another row count may round
+#: differently (~1e-6 relative): a logprob near -5 once moved 1.1e-5.
+MERGED_ATOL = 1e-4
+
 _plain_outputs: dict[tuple[str, ...], list] = {}
 
 
@@ -75,6 +82,6 @@ def test_topology_greedy_output_equals_plain_vllm(
     finally:
         afd.stop()
     plain_out = _baseline(spec, texts)
-    assert_same_outputs(afd_out, plain_out, atol=1e-5)
+    assert_same_outputs(afd_out, plain_out, atol=1e-5 if a == 1 else MERGED_ATOL)
     # Every FFN rank served steps (each attention rank reaches its FFN rank).
     assert all(steps > 0 for steps in ffn_steps), ffn_steps
