@@ -473,7 +473,8 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-devices",
         metavar="LIST",
-        help="CUDA_VISIBLE_DEVICES of the attention server, e.g. 0",
+        help="CUDA_VISIBLE_DEVICES of the attention server, e.g. 0; fewer GPUs "
+        "than attention ranks share each GPU among consecutive ranks",
     )
     p.add_argument(
         "--ffn-devices",
