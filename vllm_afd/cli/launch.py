@@ -239,27 +239,31 @@ def _device_list(flag: str, value: str | None) -> list[str] | None:
     return devices
 
 
-def tensor_parallel_size(args: Sequence[str]) -> int:
-    """The ``--tensor-parallel-size`` / ``-tp`` in vLLM arguments (1 if none;
-    the last one given wins, as in vLLM's parser)."""
-    size = 1
+def vllm_arg(args: Sequence[str], *names: str) -> str | None:
+    """The value of option ``names`` in vLLM arguments (``--opt V`` or
+    ``--opt=V``; "" when it has none), the last one given winning as in
+    vLLM's parser; None when absent."""
+    value = None
     for i, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            if not value and i + 1 < len(args):
-                value = args[i + 1]
-            with contextlib.suppress(ValueError):
-                size = int(value)
-    return size
+        name, eq, given = arg.partition("=")
+        if name in names:
+            value = given if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return value
+
+
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` / ``-tp`` in vLLM arguments (1 if none)."""
+    try:
+        return int(vllm_arg(args, "--tensor-parallel-size", "-tp") or 1)
+    except ValueError:
+        return 1
 
 
 def shared_gpu_memory_args(spec: DeploymentSpec, per_device: int) -> list[str]:
     """``--gpu-memory-utilization`` for attention ranks that share a GPU: each
     gets 0.9 / ranks-per-device, unless the arguments set it."""
     given = [*spec.vllm_args, *spec.attention_args]
-    if per_device == 1 or any(
-        a.partition("=")[0] == "--gpu-memory-utilization" for a in given
-    ):
+    if per_device == 1 or vllm_arg(given, "--gpu-memory-utilization") is not None:
         return []
     return ["--gpu-memory-utilization", f"{0.9 / per_device:.2f}"]
 
@@ -322,10 +326,11 @@ def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
         argv = serve_argv(spec.model, ffn_port + k, extra + spec.ffn_args + common)
         env = child_env(ffn_devices[k])
         procs.append(RoleProcess(name, argv, ffn_port + k, env))
-    extra = ["--additional-config", json.dumps({"afd": spec.afd_config("attention")})]
+    afd = spec.afd_config("attention")
+    extra = ["--additional-config", json.dumps({"afd": afd})]
     if spec.attention_ranks > 1:
         extra += ["--data-parallel-size", str(spec.attention_ranks)]
-    extra += shared_gpu_memory_args(spec, spec.attention_ranks_per_device())
+    extra += shared_gpu_memory_args(spec, afd.get("attention_ranks_per_device", 1))
     argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common)
     env = child_env(attention_devices)
     procs.append(RoleProcess("attention", argv, spec.port, env))
