@@ -8,12 +8,16 @@ the baseline is plain vLLM on GPU 0 with the same compilation settings.
   and mixed steps run eagerly. The 16 requests finish at different steps, so
   decode batches of 1-16 requests replay padded graphs. Output must equal
   plain vLLM's token for token.
-* vLLM's default (torch.compile, ``FULL_AND_PIECEWISE``): piecewise steps run
-  the exchange eagerly between graph pieces, decode steps replay FULL graphs.
-  Every request must complete with plain vLLM's length. Output equality is
-  not asserted: on CPU the shipped MoE output parts (``moe_tail``) make
-  compiled bf16 exact, but on GPU 4 of 16 requests were identical in the
-  last run, a gap documented in docs/gpu.md.
+* torch.compile with ``FULL_DECODE_ONLY``: the exchange ops sit inside the
+  compiled pieces, which are split only where plain vLLM splits them (at
+  attention), so Inductor fuses them alike. Output must equal plain vLLM's
+  with the same settings token for token.
+* vLLM's default (torch.compile, ``FULL_AND_PIECEWISE``): decode steps replay
+  FULL graphs, and prefill and mixed steps of up to the largest capture size
+  replay piecewise graphs, which hold the exchanges (the FFN replays its step
+  graph of the layout). Every request must complete with plain vLLM's
+  length; agreement is reported, not asserted: in this mode two plain vLLM
+  servers agreed with each other on only 14 of 16 requests (docs/gpu.md).
 
 Each deployment must report FFN graph replays (``afd_ffn_graph_replays``), so
 a run that silently fell back to eager fails.
@@ -31,6 +35,11 @@ pytestmark = pytest.mark.gpu
 
 ATOL = 1e-2
 COMMON = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2"]
+#: torch.compile (vLLM's default mode) with FULL CUDA graphs for decode steps
+COMPILED_FULL_DECODE_ONLY = [
+    "--compilation-config",
+    '{"cudagraph_mode": "FULL_DECODE_ONLY"}',
+]
 
 
 def _afd_and_plain(
@@ -60,14 +69,22 @@ def test_afd_full_decode_graphs_equal_plain_vllm_with_the_same_graphs(
     assert_same_outputs(afd_out, plain_out, ATOL)
 
 
+def test_afd_compiled_full_decode_graphs_equal_plain_vllm(
+    gpu_tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    afd_out, plain_out, ffn = _afd_and_plain(
+        gpu_tiny_models["deepseek_v2"], COMPILED_FULL_DECODE_ONLY, tmp_path
+    )
+    assert ffn.get(("afd_ffn_graph_replays", "ffn", "0"), 0) > 0, "no graph replay"
+    assert_same_outputs(afd_out, plain_out, ATOL)
+
+
 def test_afd_compiled_piecewise_and_full_graphs_serve_every_request(
     gpu_tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     afd_out, plain_out, ffn = _afd_and_plain(
         gpu_tiny_models["deepseek_v2"], [], tmp_path
     )
-    steps = ffn.get(("afd_steps", "ffn", "0"), 0)
-    replays = ffn.get(("afd_ffn_graph_replays", "ffn", "0"), 0)
-    assert 0 < replays < steps, "expected FULL replays and eager piecewise steps"
+    assert ffn.get(("afd_ffn_graph_replays", "ffn", "0"), 0) > 0, "no graph replay"
     for a, p in zip(afd_out, plain_out, strict=True):
         assert len(a.token_ids) == len(p.token_ids)

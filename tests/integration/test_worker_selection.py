@@ -403,35 +403,6 @@ def test_check_runner_generation_v1_on_cuda_raises() -> None:
     assert "unset VLLM_USE_V2_MODEL_RUNNER" in message
 
 
-def test_piecewise_graphs_split_at_the_exchange_ops_only_when_piecewise() -> None:
-    from vllm.config import CompilationConfig, CUDAGraphMode
-
-    from vllm_afd.compat.engine_config import (
-        EXCHANGE_OPS,
-        split_piecewise_graphs_at_exchange,
-    )
-
-    attention = ["vllm::unified_mla_attention"]
-    piecewise = CompilationConfig(
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=list(attention)
-    )
-    split_piecewise_graphs_at_exchange(piecewise)
-    split_piecewise_graphs_at_exchange(piecewise)  # idempotent
-    assert piecewise.splitting_ops == [*attention, *EXCHANGE_OPS]
-
-    full_only = CompilationConfig(
-        cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, splitting_ops=list(attention)
-    )
-    split_piecewise_graphs_at_exchange(full_only)
-    assert full_only.splitting_ops == attention
-
-    unsplit = CompilationConfig(
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=[]
-    )
-    split_piecewise_graphs_at_exchange(unsplit)
-    assert unsplit.splitting_ops == []
-
-
 def test_create_engine_config_ubatches_on_cpu_raise_config_error(
     checkpoint: Path,
 ) -> None:

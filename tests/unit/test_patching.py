@@ -60,11 +60,14 @@ ORIGINAL_VICTIM = _victim
 def _declared_patches() -> list[Patch]:
     from vllm_afd.compat.engine_config import CREATE_ENGINE_CONFIG
     from vllm_afd.models import deepseek
+    from vllm_afd.worker.attention_side import GRAPH_CAPTURE, GRAPH_REPLAY
     from vllm_afd.worker.runner_swap import CPU_RUNNER
 
     return [
         CREATE_ENGINE_CONFIG,
         CPU_RUNNER,
+        GRAPH_CAPTURE,
+        GRAPH_REPLAY,
         deepseek._MOE,
         deepseek._MLP,
         *deepseek._FFN_ABSENT,

@@ -1,5 +1,7 @@
-"""A FULL CUDA graph replay never runs the model's forward, so the attention
-runner's graph manager sends the REPLAY plan itself, just before replaying.
+"""Plans around CUDA graphs. A FULL graph replay never runs the model's
+forward, so the attention runner's graph manager sends the REPLAY plan itself,
+just before replaying. A forward that records or replays vLLM's piecewise
+graphs (which hold the exchanges) sends CAPTURE or REPLAY itself.
 
 Driven on CPU with the loopback connector and a graph manager that records
 what it replays (the real one needs CUDA; tests/gpu covers it end to end).
@@ -17,14 +19,18 @@ pytest.importorskip("vllm")
 from vllm_afd.config import parse_afd_config  # noqa: E402
 from vllm_afd.connector import ExecMode, Fingerprint, create_connector  # noqa: E402
 from vllm_afd.models.exchange import AttentionExchange, install_exchange  # noqa: E402
-from vllm_afd.worker.attention_side import announce_replays  # noqa: E402
+from vllm_afd.worker.attention_side import announce_graphs  # noqa: E402
 
 
 class _Manager:
-    """The part of vLLM's CudaGraphManager the runner calls to replay."""
+    """The part of vLLM's CudaGraphManager the runner calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, forward=None) -> None:
         self.replayed: list[int] = []
+        self.forward = forward
+
+    def capture(self, create_forward_fn, progress_bar_desc="Capturing"):
+        return self.forward()
 
     def run_fullgraph(self, desc):
         self.replayed.append(desc.num_tokens)
@@ -59,7 +65,7 @@ def endpoints():
 def test_replay_sends_a_replay_plan_of_the_graph_size_first(endpoints):
     ffn, att = endpoints
     manager = _Manager()
-    announce_replays(manager)
+    announce_graphs(manager)
     out = manager.run_fullgraph(SimpleNamespace(num_tokens=16, num_ubatches=1))
     assert out == "hidden[16]" and manager.replayed == [16]
     plan = ffn.recv_plan()
@@ -73,7 +79,56 @@ def test_replay_sends_a_replay_plan_of_the_graph_size_first(endpoints):
 def test_micro_batched_replay_plans_each_micro_batch(endpoints, num_tokens, split):
     ffn, _ = endpoints
     manager = _Manager()
-    announce_replays(manager)
+    announce_graphs(manager)
     manager.run_fullgraph(SimpleNamespace(num_tokens=num_tokens, num_ubatches=2))
     plan = ffn.recv_plan()
     assert plan.mode is ExecMode.REPLAY and plan.ubatch_tokens == split
+
+
+def test_capture_marks_the_exchange_while_it_records(endpoints):
+    from vllm_afd.models.exchange import current_exchange
+
+    seen = []
+    manager = _Manager(lambda: seen.append(current_exchange().capturing_graphs))
+    announce_graphs(manager)
+    manager.capture(None)
+    assert seen == [True] and current_exchange().capturing_graphs is False
+
+    def fails():
+        raise RuntimeError("capture failed")
+
+    manager.forward = fails
+    with pytest.raises(RuntimeError, match="capture failed"):
+        manager.capture(None)
+    assert current_exchange().capturing_graphs is False
+
+
+@pytest.mark.parametrize(
+    "runtime_mode,metadata,capturing,expected",
+    [
+        ("PIECEWISE", {}, True, ExecMode.CAPTURE),
+        ("PIECEWISE", {}, False, ExecMode.REPLAY),
+        ("NONE", {}, True, ExecMode.EAGER),  # a warm-up run before a capture
+        ("NONE", {}, False, ExecMode.EAGER),
+        ("NONE", None, False, ExecMode.WARMUP),
+    ],
+)
+def test_forward_mode_follows_vllms_graph_mode(
+    endpoints, runtime_mode, metadata, capturing, expected
+):
+    import torch
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from vllm_afd.models.deepseek import _forward_mode
+    from vllm_afd.models.exchange import current_exchange
+
+    context = ForwardContext(
+        no_compile_layers={},
+        attn_metadata=metadata,
+        slot_mapping={},
+        cudagraph_runtime_mode=CUDAGraphMode[runtime_mode],
+    )
+    current_exchange().capturing_graphs = capturing
+    with override_forward_context(context):
+        assert _forward_mode(torch.zeros(4, dtype=torch.long)) is expected

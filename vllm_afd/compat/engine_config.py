@@ -129,8 +129,6 @@ def apply_afd_to_vllm_config(
     )
     check_runner_generation(platform_default, config.use_v2_model_runner)
     validate_against_vllm(config, afd)
-    if afd.is_attention:
-        split_piecewise_graphs_at_exchange(config.compilation_config)
     if afd.is_ffn:
         # The FFN role holds no KV cache (an empty KV cache spec); vLLM's
         # prefix-caching KV manager needs at least one cache group.
@@ -147,24 +145,6 @@ def apply_afd_to_vllm_config(
             config.cache_config.kv_cache_memory_bytes = 0
     # Normalised copy for the workers: they re-parse it, so keep it plain.
     config.additional_config["afd"] = afd.to_dict()
-
-
-#: the attention model's exchange ops (``vllm_afd.models.exchange``)
-EXCHANGE_OPS = ("vllm_afd::ffn_exchange", "vllm_afd::ffn_exchange_routed")
-
-
-def split_piecewise_graphs_at_exchange(compilation: Any) -> None:
-    """Keep the exchange out of piecewise CUDA graphs.
-
-    A piecewise graph replays without Python, so an exchange inside one would
-    never send its step plan. Split at the exchange ops, as vLLM splits at
-    attention: they run eagerly between the pieces, and the FFN serves such a
-    step eagerly. FULL graphs hold the exchange and announce each replay.
-    """
-    ops = compilation.splitting_ops
-    if not ops or not compilation.cudagraph_mode.has_piecewise_cudagraphs():
-        return
-    ops.extend(op for op in EXCHANGE_OPS if op not in ops)
 
 
 def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:

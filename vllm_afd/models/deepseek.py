@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models import deepseek_v2 as native
@@ -308,15 +308,22 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
 def _forward_mode(positions: torch.Tensor) -> ExecMode:
     """How the FFN must serve the forward that is starting.
 
-    CAPTURE when a CUDA graph is being recorded around it (FULL graphs; a
-    replay never runs the forward). WARMUP for profile, compile and idle
-    (dummy) forwards, which carry no attention metadata and may compile on
-    the way, so the FFN waits longer. EAGER otherwise, piecewise graphs
-    included: the exchange op splits them and runs between their pieces.
+    CAPTURE when CUDA graphs are being recorded around the exchanges: a FULL
+    graph (the stream is capturing now), or the piecewise graphs vLLM records
+    inside this forward. REPLAY when this forward replays piecewise graphs,
+    which hold the exchanges as they hold every op between two attention
+    layers (a FULL replay never runs the forward; the runner announces it).
+    WARMUP for profile, compile and idle (dummy) forwards, which carry no
+    attention metadata and may compile on the way, so the FFN waits longer.
+    EAGER otherwise.
     """
     if positions.is_cuda and torch.cuda.is_current_stream_capturing():
         return ExecMode.CAPTURE
-    if get_forward_context().attn_metadata is None:
+    context = get_forward_context()
+    if context.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE:
+        capturing = current_exchange().capturing_graphs
+        return ExecMode.CAPTURE if capturing else ExecMode.REPLAY
+    if context.attn_metadata is None:
         return ExecMode.WARMUP
     return ExecMode.EAGER
 

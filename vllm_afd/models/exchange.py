@@ -10,12 +10,15 @@ lands in the process's :class:`AttentionExchange`::
                                               A2F send, F2A receive
 
 CUDA graphs: the plan always travels outside any captured region. A forward
-run under capture sends a CAPTURE plan before the decoder stack is recorded;
-a FULL graph replay never runs the forward, so the runner sends the REPLAY
-plan just before it replays (``worker.cuda_attention``). Under capture the
-exchange joins the connector's stream back before returning (always, on
-CUDA), so the graph holds the whole NCCL send and receive and no send is left
-pending into the next step.
+whose graphs are being recorded (FULL, or vLLM's piecewise graphs, which hold
+the exchanges like every other op between two attention layers) sends a
+CAPTURE plan before the decoder stack runs; a forward that replays piecewise
+graphs sends a REPLAY plan. A FULL graph replay never runs the forward, so
+the runner sends its REPLAY plan just before it replays
+(``worker.attention_side.announce_graphs``). The exchange joins the
+connector's stream back before returning (always, on CUDA), so a graph holds
+the whole NCCL send and receive and no send is left pending into the next
+step.
 
 With attention tensor parallelism only TP rank 0 is a connector endpoint; it
 exchanges and broadcasts the F2A result to the other TP ranks, so a TP group
@@ -51,6 +54,8 @@ class AttentionExchange:
         # Micro-batches (``worker.ubatching``): which one runs, and hand-off.
         self.switch = switch
         self.step_id = 0
+        # True while the runner records CUDA graphs (announce_graphs).
+        self.capturing_graphs = False
         self._staged: tuple[int, ...] | None = None
         self._lock = threading.Lock()
 

@@ -64,9 +64,6 @@ def finish_moe_output(
 
     The same operations, in the same order, as vLLM's MoE runner after its
     custom op, so a compiled graph fuses them exactly as plain vLLM's.
-    ``narrow``, not slicing: vLLM's piecewise split keeps an indexing of a
-    splitting op's output in that op's piece, where only integer indices are
-    accepted.
     """
     shared = parts.narrow(-1, 0, hidden_size)
     routed = parts.narrow(-1, hidden_size, hidden_size)

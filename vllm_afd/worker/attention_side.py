@@ -11,6 +11,7 @@ from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
 from vllm_afd import envs
+from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import (
@@ -66,9 +67,43 @@ def stop_engine_on_lost_peer(message: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def announce_replays(manager: Any) -> None:
-    """Send a REPLAY plan before each FULL graph replay of ``manager``."""
-    replay = manager.run_fullgraph
+_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"
+GRAPH_CAPTURE = Patch(
+    target=f"{_GRAPHS}.capture",
+    expected_params=None,  # wrapped as (*args, **kwargs): parameters pass through
+    reason="attention role: a forward that records piecewise CUDA graphs, "
+    "which hold the exchanges, must send a CAPTURE plan",
+    removal="when vLLM's forward context says whether piecewise graphs record",
+)
+GRAPH_REPLAY = Patch(
+    target=f"{_GRAPHS}.run_fullgraph",
+    expected_params=("self", "desc"),
+    reason="attention role: a FULL graph replay never runs the forward, where "
+    "plans are sent, so the FFN must be told before it",
+    removal="never while FULL graphs hold the exchanges",
+)
+
+
+def announce_graphs(manager: Any) -> None:
+    """Make ``manager`` (the V2 runner's graph manager) tell the FFN about
+    graphs; wraps the instance's methods (``GRAPH_CAPTURE``, ``GRAPH_REPLAY``).
+
+    While ``manager.capture`` records, the exchange knows it
+    (``capturing_graphs``), so a forward that records piecewise graphs sends
+    a CAPTURE plan. Before each FULL graph replay, which never runs the
+    model's forward, a REPLAY plan of the graph's tokens is sent.
+    """
+    check_patch(GRAPH_CAPTURE)
+    check_patch(GRAPH_REPLAY)
+    capture, replay = manager.capture, manager.run_fullgraph
+
+    def capture_graphs(*args: Any, **kwargs: Any) -> Any:
+        exchange = current_exchange()
+        exchange.capturing_graphs = True
+        try:
+            return capture(*args, **kwargs)
+        finally:
+            exchange.capturing_graphs = False
 
     def run_fullgraph(desc: Any) -> Any:
         tokens = desc.num_tokens
@@ -77,6 +112,7 @@ def announce_replays(manager: Any) -> None:
         current_exchange().begin_step(tokens, ExecMode.REPLAY)
         return replay(desc)
 
+    manager.capture = capture_graphs
     manager.run_fullgraph = run_fullgraph
 
 

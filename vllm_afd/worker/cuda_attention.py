@@ -4,11 +4,12 @@ Wraps vllm/v1/worker/gpu_worker.py and gpu/model_runner.py @ 0.32.0 (the V2
 model runner, CUDA's default). Everything is native (scheduler, KV cache,
 batching, attention, sampling, output, CUDA graphs) except that the runner
 starts the connector once the role-split model is loaded, closes it on
-shutdown, and announces each FULL CUDA graph replay to the FFN role: a replay
-never runs the model's forward, where the other plans are sent. With
-``afd.num_ubatches = 2`` it runs vLLM's micro-batch runner on one rank
-(:mod:`vllm_afd.worker.ubatching`); with ``afd.attention_ranks_per_device``
-above 1, several ranks share a GPU (:mod:`vllm_afd.worker.device_sharing`).
+shutdown, and tells the FFN role when CUDA graphs are recorded and when a
+FULL graph is replayed: a FULL replay never runs the model's forward, where
+the other plans are sent. With ``afd.num_ubatches = 2`` it runs vLLM's
+micro-batch runner on one rank (:mod:`vllm_afd.worker.ubatching`); with
+``afd.attention_ranks_per_device`` above 1, several ranks share a GPU
+(:mod:`vllm_afd.worker.device_sharing`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_afd.compat.workers import CUDA_DEFAULT_WORKER, check_runner_generation
 from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import current_exchange
-from vllm_afd.worker.attention_side import AttentionSideMixin, announce_replays
+from vllm_afd.worker.attention_side import AttentionSideMixin, announce_graphs
 from vllm_afd.worker.device_sharing import sharing_devices
 from vllm_afd.worker.runner_swap import CUDA_RUNNER, swapped_runner
 from vllm_afd.worker.ubatching import enable_ubatching, ubatch_runner_for_one_rank
@@ -40,7 +41,7 @@ class AFDAttentionModelRunner(AttentionSideMixin, GPUModelRunner):
     """V2 ``GPUModelRunner`` whose model exchanges with the FFN role."""
 
     # The native runner assigns its CUDA graph manager in __init__ and again in
-    # each initialize_kv_cache; every manager it assigns announces replays.
+    # each initialize_kv_cache; every manager it assigns announces its graphs.
     @property
     def cudagraph_manager(self) -> Any:
         return self.__dict__.get("_afd_cudagraph_manager")
@@ -48,7 +49,7 @@ class AFDAttentionModelRunner(AttentionSideMixin, GPUModelRunner):
     @cudagraph_manager.setter
     def cudagraph_manager(self, manager: Any) -> None:
         if manager is not None:
-            announce_replays(manager)
+            announce_graphs(manager)
         self.__dict__["_afd_cudagraph_manager"] = manager
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
