@@ -403,6 +403,36 @@ def test_check_runner_generation_v1_on_cuda_raises() -> None:
     assert "unset VLLM_USE_V2_MODEL_RUNNER" in message
 
 
+@pytest.mark.parametrize(
+    "mode,breakable,refused",
+    [
+        ("FULL_AND_PIECEWISE", True, True),
+        ("PIECEWISE", True, True),
+        ("FULL_DECODE_ONLY", True, False),
+        ("FULL_AND_PIECEWISE", False, False),
+    ],
+)
+def test_attention_refuses_breakable_piecewise_graphs(
+    mode: str, breakable: bool, refused: bool
+) -> None:
+    """A breakable graph replays the forward without running it, so the plan
+    of a step would never be sent; compiled piecewise graphs run it."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from vllm_afd.compat.engine_config import check_graph_mode
+
+    compilation = CompilationConfig(cudagraph_mode=CUDAGraphMode[mode])
+    if not refused:
+        check_graph_mode(compilation, breakable)
+        return
+    with pytest.raises(AFDConfigError) as info:
+        check_graph_mode(compilation, breakable)
+    message = str(info.value)
+    assert f"VLLM_USE_BREAKABLE_CUDAGRAPH=1 with cudagraph_mode {mode}" in message
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH=0" in message
+    assert "FULL_DECODE_ONLY" in message and "--enforce-eager" in message
+
+
 def test_create_engine_config_ubatches_on_cpu_raise_config_error(
     checkpoint: Path,
 ) -> None:

@@ -186,6 +186,35 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
         check_ubatches_supported(afd, parallel)
     if afd.attention_ranks_per_device > 1:
         check_device_sharing_supported(afd)
+    if afd.is_attention:
+        from vllm.compilation.breakable_cudagraph import (
+            is_breakable_cudagraph_enabled,
+        )
+
+        check_graph_mode(config.compilation_config, is_breakable_cudagraph_enabled())
+
+
+def check_graph_mode(compilation: Any, breakable: bool) -> None:
+    """The attention role cannot run vLLM's breakable piecewise CUDA graphs.
+
+    A breakable graph (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, which vLLM also
+    turns on by itself for some models and for batch-invariant bf16) replays
+    the whole forward without running the model's Python, where the step plan
+    is sent: the FFN would never hear of the step. vLLM's compiled piecewise
+    graphs run the forward and announce each replay.
+
+    Raises:
+        AFDConfigError: naming the variable and the settings that work.
+    """
+    if breakable and compilation.cudagraph_mode.has_piecewise_cudagraphs():
+        raise AFDConfigError(
+            "the AFD attention role cannot run vLLM's breakable CUDA graphs "
+            f"(VLLM_USE_BREAKABLE_CUDAGRAPH=1 with cudagraph_mode "
+            f"{compilation.cudagraph_mode.name}): their replay skips the model's "
+            "forward, where the FFN role is told about each step. Set "
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=0, or --compilation-config "
+            '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\', or --enforce-eager'
+        )
 
 
 def check_device_sharing_supported(afd: AFDConfig) -> None:

@@ -6,7 +6,8 @@ path (``get_kv_cache_spec`` returns ``{}``), no warm-up forward and no CUDA
 graph capture of its own, no generate tasks, and scheduler-driven
 ``execute_model`` is refused. The connector-driven loop (:class:`FFNSideMixin`)
 does the work on a thread of its own, and records and replays step graphs when
-the attention role captures and replays FULL graphs (:mod:`.ffn_graphs`).
+the attention role captures and replays CUDA graphs, FULL or piecewise
+(:mod:`.ffn_graphs`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class AFDFFNModelRunner(FFNSideMixin, GPUModelRunner):
     """V2 ``GPUModelRunner`` that runs the FFN loop instead of scheduled steps."""
 
     def _afd_step_graphs(self) -> CudaStepGraphs:
-        # The step graphs mirror the attention role's FULL graphs.
+        # The step graphs mirror the attention role's CUDA graphs.
         return CudaStepGraphs(self.device)
 
     def _afd_compute(self, layer_idx: int, batch: Any) -> torch.Tensor:

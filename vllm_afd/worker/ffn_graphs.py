@@ -1,10 +1,13 @@
 """The FFN role's CUDA graphs: one per step layout the attention role captures.
 
-When the attention role records a FULL CUDA graph of a decode step, the FFN
-records the other half of it: every remote layer's A2F receive, MLP/MoE and
-F2A send, as one graph keyed by the merged plan's token layout
-(``peer_tokens``). A later REPLAY plan with that layout replays it; the two
-graphs' NCCL transfers meet on the GPUs without either host taking part.
+When the attention role records CUDA graphs of a step (a FULL graph, or the
+piecewise graphs that hold the exchanges), the FFN records the other half of
+it: every remote layer's A2F receive, MLP/MoE and F2A send, as one graph
+keyed by the merged plan's token layout (``peer_tokens``). A later REPLAY
+plan with that layout replays it; the two sides' NCCL transfers meet on the
+GPUs without either host taking part. The FFN's half does not depend on the
+attention's graph mode, so a FULL and a piecewise capture of one layout share
+a graph (the later capture replaces the earlier).
 """
 
 from __future__ import annotations
