@@ -29,7 +29,9 @@ class Patch:
         target: ``"package.module:Name"`` or ``"package.module:Class.attr"``.
         expected_params: parameter names of the original at the pinned
             version (``tuple(inspect.signature(original).parameters)``), or
-            None for a non-callable target.
+            None where only the target's presence is checked: a non-callable
+            target, or one wrapped as ``(*args, **kwargs)`` that passes any
+            parameters through.
         reason: why the plugin needs it.
         removal: when it can be deleted.
         vllm_version: the vLLM version the signature was taken from.
