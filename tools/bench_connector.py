@@ -5,7 +5,10 @@ every (tokens, hidden) the attention side times ``send_a2f`` + ``recv_f2a``
 while the FFN echoes the batch back; in the same run and the same processes it
 times a raw ``send`` + ``recv`` of the same tensors on a separate process group
 of the same backend. Raw and connector alternate every iteration (so both see
-the same machine state); medians are reported. Each role is pinned to its own
+the same machine state); medians are reported. Iterations run in steps of
+``LAYERS`` layers, as the serving loops do: a step plan before each step
+(untimed), and the FFN waits its sends at the end of the step (the connector
+does it at the next plan), raw and connector alike. Each role is pinned to its own
 CPU core unless ``--no-pin``. On CUDA each size is also measured inside CUDA
 graphs (``mode: graph``): 16 round trips recorded per graph, raw NCCL in one,
 the connector's in another, replayed alternately; a round trip is a replay's
@@ -115,18 +118,21 @@ def _attention(args, port: int, q: Any) -> None:
     pg = _raw_group(args, 1, port)
     gloo = device.type == "cpu"
     rows = []
+    plan_id = 0
     for hid in args.hidden:
         conn = _connector(args, "attention", hid, port, device)
         conn.start()
-        for step, tok in enumerate(t for t, h in _schedule(args) if h == hid):
+        for tok in [t for t, h in _schedule(args) if h == hid]:
             x = torch.randn(tok, hid).to(device, dtype)
             buf = torch.empty_like(x)
             raw_t: list[float] = []
             conn_t: list[float] = []
-            conn.send_plan(StepPlan(step, ExecMode.EAGER, (tok,)))
             # Raw and connector alternate every iteration: both see the same
             # machine state, so the ratio is not skewed by drift.
             for i in range(args.warmup + args.iters):
+                if i % LAYERS == 0:
+                    conn.send_plan(StepPlan(plan_id, ExecMode.EAGER, (tok,)))
+                    plan_id += 1
                 _sync(device)
                 t0 = time.perf_counter()
                 # The schedule the connector uses: on Gloo the receive is
@@ -159,7 +165,8 @@ def _attention(args, port: int, q: Any) -> None:
                  "connector_us": conn_us, "ratio": conn_us / raw_us}
             )  # fmt: skip
             if not gloo:
-                raw_us, conn_us = _graph_attention(args, conn, pg, x, 1000 + step)
+                raw_us, conn_us = _graph_attention(args, conn, pg, x, plan_id)
+                plan_id += 1
                 rows.append(
                     {"tokens": tok, "hidden": hid, "dtype": args.dtype,
                      "device": args.device, "mode": "graph", "raw_us": raw_us,
@@ -228,14 +235,22 @@ def _ffn(args, port: int) -> None:
         conn = _connector(args, "ffn", hid, port, device)
         conn.start()
         for tok in [t for t, h in _schedule(args) if h == hid]:
+            # Echoed from the buffer it arrived in, raw and connector alike:
+            # the next layer's A2F leaves only after this echo has arrived.
             buf = torch.empty(tok, hid, device=device, dtype=dtype)
-            plan = conn.recv_plan()
-            assert plan is not None
+            sent: list[dist.Work] = []
             for i in range(args.warmup + args.iters):
+                if i % LAYERS == 0:
+                    for work in sent:
+                        work.wait()
+                    sent.clear()
+                    assert conn.recv_plan() is not None
                 pg.recv([buf], 1, i % 1024).wait()
-                pg.send([buf], 1, i % 1024).wait()
+                sent.append(pg.send([buf], 1, i % 1024))
                 batch = conn.recv_a2f(i % LAYERS, 0)
-                conn.send_f2a(i % LAYERS, 0, batch.hidden).wait()
+                conn.send_f2a(i % LAYERS, 0, batch.hidden)
+            for work in sent:
+                work.wait()
             if device.type == "cuda":
                 _graph_ffn(args, conn, pg, buf)
         assert conn.recv_plan() is None

@@ -17,6 +17,8 @@ from vllm_afd.connector.protocol import (
     Fingerprint,
     Kind,
     StepPlan,
+    exchange_tag,
+    step_tag,
 )
 from vllm_afd.errors import AFDProtocolError
 
@@ -72,6 +74,24 @@ def test_exchange_tags_are_unique_and_fit_31_bits():
     assert ExchangeKey(12, 3, 0, Kind.F2A).describe("from ffn rank 0") == (
         "f2a from ffn rank 0 (step 12, layer 3, ubatch 0)"
     )
+
+
+@pytest.mark.parametrize(
+    ("sent_step", "current_step"),
+    [(0, 0), (7, 9), (70000, 70000), ((1 << 16) - 1, 1 << 16), (5, 5 + (1 << 16) - 1)],
+)
+def test_exchange_key_from_tag_recovers_the_step_the_tag_was_sent_in(
+    sent_step, current_step
+):
+    # Error messages decode a pending exchange's tag; the tag keeps 16 bits
+    # of the step, the rest comes from the current step.
+    for key in (
+        ExchangeKey(sent_step, MAX_LAYERS - 1, MAX_UBATCHES - 1, Kind.A2F_TOPK_IDS),
+        ExchangeKey(sent_step, 0, 0, Kind.F2A),
+    ):
+        assert ExchangeKey.from_tag(key.tag, current_step) == key
+        bits = step_tag(sent_step)
+        assert exchange_tag(bits, key.layer_idx, key.ubatch_idx, key.kind) == key.tag
 
 
 def test_fingerprint_diff_digest_and_wire():

@@ -36,15 +36,15 @@ import torch
 from vllm_afd.connector.core import ATT, FFN, ConnectorCore
 from vllm_afd.connector.payloads import (
     A2FBatch,
-    Pending,
     RecvHandle,
     Routing,
     SendHandle,
 )
 from vllm_afd.connector.plan import MergedPlan, merge_plans
 from vllm_afd.connector.protocol import (
+    LAYER_SHIFT,
     PROTOCOL_VERSION,
-    ExchangeKey,
+    UBATCH_SHIFT,
     ExecMode,
     Kind,
     StepPlan,
@@ -56,6 +56,9 @@ from vllm_afd.errors import (
 
 logger = logging.getLogger(__name__)
 _CLOSE_DRAIN_S = 1.0
+# Tag kinds as plain ints: the hot path ORs them into the step's tag bits.
+_HIDDEN, _F2A = int(Kind.A2F_HIDDEN), int(Kind.F2A)
+_TOPK_W, _TOPK_IDS = int(Kind.A2F_TOPK_WEIGHTS), int(Kind.A2F_TOPK_IDS)
 
 
 class AFDConnector(ConnectorCore):
@@ -142,8 +145,7 @@ class AFDConnector(ConnectorCore):
             raise self._fail(e) from None
         self._plan = plan
         self._tokens = plan.ubatch_tokens
-        self._set_step_mode(plan.mode)
-        self._steps += 1
+        self._begin_step(plan.step_id, plan.mode)
         if plan.mode is ExecMode.REPLAY:
             self._account_graph_step(plan.ubatch_tokens)
 
@@ -185,49 +187,50 @@ class AFDConnector(ConnectorCore):
         routing: Routing | None = None,
     ) -> SendHandle:
         """Start sending ``hidden [T, H]`` (and routing ``[T, K]``) to the FFN."""
-        self._check(ATT, "send_a2f")
+        if self._live is not ATT:
+            self._check(ATT, "send_a2f")
         n = self._planned(layer_idx, ubatch_idx)
-        step = self._plan.step_id  # type: ignore[union-attr]
         self._check_tensor("hidden", hidden, (n, self._hidden), self._dtype)
-        parts = [(hidden, Kind.A2F_HIDDEN)]
-        if self._gate:
-            if routing is None:
-                raise AFDConnectorError(
-                    "send_a2f needs routing: compute_gate_on_attention is on"
-                )
-            k = self._top_k
-            w, ids = routing.topk_weights, routing.topk_ids
-            self._check_tensor("topk_weights", w, (n, k), torch.float32)
-            self._check_tensor("topk_ids", ids, (n, k), torch.int32)
-            parts += [
-                (routing.topk_weights, Kind.A2F_TOPK_WEIGHTS),
-                (routing.topk_ids, Kind.A2F_TOPK_IDS),
-            ]
-        elif routing is not None:
+        if self._gate or routing is not None:
+            extra = self._routing_parts(n, routing)
+        else:
+            extra = ()
+        if n == 0:
+            return SendHandle((), self._wait_all)
+        peer = self._peers[0]
+        tag = self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
+        # The bytes leave first; the bookkeeping runs while they travel.
+        pending = [self._send(hidden.contiguous(), peer, tag | _HIDDEN)]
+        for t, kind in extra:
+            pending.append(self._send(t.contiguous(), peer, tag | kind))
+        handle = SendHandle(pending, self._wait_all)
+        self._pending_sends.append(handle)
+        self._a2f_bytes += n * self._a2f_row_bytes
+        if self._data.prepost_recv:
+            # Posted long before the FFN can answer: Gloo takes a slow path
+            # for a message that arrives before its receive. Waiting it waits
+            # this send first (free: the answer comes after the A2F arrived).
+            early = self._post_f2a(layer_idx, ubatch_idx, n, tag)
+            early._before = handle
+            self._preposted[(layer_idx, ubatch_idx)] = early
+        return handle
+
+    def _routing_parts(
+        self, n: int, routing: Routing | None
+    ) -> tuple[tuple[torch.Tensor, int], ...]:
+        if not self._gate:
             raise AFDConnectorError(
                 "send_a2f got routing but compute_gate_on_attention is off"
             )
-        if n == 0:
-            return SendHandle((), self._wait_all)
-        early = None
-        if self._data.prepost_recv:
-            early = self._post_f2a(layer_idx, ubatch_idx, n)
-            self._preposted[(layer_idx, ubatch_idx)] = early
-        peer = self._peers[0]
-        pending = []
-        for t, kind in parts:
-            t = t.contiguous()
-            key = ExchangeKey(step, layer_idx, ubatch_idx, kind)
-            pending.append(self._post(True, t, peer, key))
-            self._a2f_bytes += t.numel() * t.element_size()
-        handle = SendHandle(pending, self._wait_all)
-        self._pending_sends.append(handle)
-        if early is not None:
-            # Gloo is slow when a receive is waited before the send posted
-            # ahead of it: the F2A wait completes this A2F send first (free:
-            # the FFN answers only after the A2F arrived).
-            early._before = handle
-        return handle
+        if routing is None:
+            raise AFDConnectorError(
+                "send_a2f needs routing: compute_gate_on_attention is on"
+            )
+        k = self._top_k
+        w, ids = routing.topk_weights, routing.topk_ids
+        self._check_tensor("topk_weights", w, (n, k), torch.float32)
+        self._check_tensor("topk_ids", ids, (n, k), torch.int32)
+        return ((w, _TOPK_W), (ids, _TOPK_IDS))
 
     def irecv_f2a(
         self, layer_idx: int, ubatch_idx: int, out: torch.Tensor | None = None
@@ -237,35 +240,42 @@ class AFDConnector(ConnectorCore):
 
         ``out`` receives in place; otherwise a connector buffer is used.
         """
-        self._check(ATT, "irecv_f2a")
+        if self._live is not ATT:
+            self._check(ATT, "irecv_f2a")
+        early = self._preposted.pop((layer_idx, ubatch_idx), None)
+        if early is not None:  # posted by send_a2f; lands in out on wait()
+            if out is not None:
+                self._check_tensor("out", out, early._result.shape, self._dtype)
+                early._copy_to = out
+            return early
         n = self._planned(layer_idx, ubatch_idx)
         cols = self.f2a_cols(layer_idx)
         if out is not None:
             self._check_tensor("out", out, (n, cols), self._dtype)
-        early = self._preposted.pop((layer_idx, ubatch_idx), None)
-        if early is not None:  # posted by send_a2f; lands in out on wait()
-            if out is not None:
-                early._copy_to = out
-            return early
         if n == 0:
             buf = out if out is not None else torch.empty(0, cols)
             return RecvHandle((), buf.to(self.device, self._dtype), self._wait_all)
-        return self._post_f2a(layer_idx, ubatch_idx, n, out)
+        tag = self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
+        return self._post_f2a(layer_idx, ubatch_idx, n, tag, out)
 
     def _post_f2a(
-        self, layer_idx: int, ubatch_idx: int, n: int, out: torch.Tensor | None = None
+        self,
+        layer_idx: int,
+        ubatch_idx: int,
+        n: int,
+        tag: int,
+        out: torch.Tensor | None = None,
     ) -> RecvHandle:
+        cols = self.f2a_cols(layer_idx)
         if out is None or not out.is_contiguous():
             # Two buffers per ubatch, by layer parity: the output of layer L
             # stays valid while the receive of layer L+1 is in flight.
             slot = 2 * ubatch_idx + (layer_idx & 1)
-            cols = self.f2a_cols(layer_idx)
             buf = self._buffer("f2a", slot, (n, cols), self._dtype)
         else:
             buf = out
-        key = ExchangeKey(self._plan.step_id, layer_idx, ubatch_idx, Kind.F2A)  # type: ignore[union-attr]
-        self._f2a_bytes += buf.numel() * buf.element_size()
-        pending = [self._post(False, buf, self._peers[0], key)]
+        self._f2a_bytes += n * cols * self._itemsize
+        pending = [self._recv(buf, self._peers[0], tag | _F2A)]
         copy_to = out if out is not None and buf is not out else None
         return RecvHandle(pending, buf, self._wait_all, copy_to)
 
@@ -294,40 +304,42 @@ class AFDConnector(ConnectorCore):
             raise self._fail(e) from None
         self._merged = merged
         self._tokens = merged.ubatch_tokens
-        self._set_step_mode(merged.mode)
+        self._begin_step(merged.step_id, merged.mode)
         self._a2f_plan.clear()
-        self._steps += 1
+        self._f2a_plan.clear()
         return merged
 
     def recv_a2f(self, layer_idx: int, ubatch_idx: int) -> A2FBatch:
         """The merged A2F batch ``[ΣT, H]`` of (layer, ubatch), peers in order."""
-        self._check(FFN, "recv_a2f")
+        if self._live is not FFN:
+            self._check(FFN, "recv_a2f")
         total = self._planned(layer_idx, ubatch_idx)
-        batch, targets = self._a2f_plan.get(ubatch_idx) or self._a2f_targets(
+        batch, targets, nbytes = self._a2f_plan.get(ubatch_idx) or self._a2f_targets(
             ubatch_idx, total
         )
-        step = self._merged.step_id  # type: ignore[union-attr]
+        tag = self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
+        recv = self._recv
         pending = [
-            self._post(False, buf, peer, ExchangeKey(step, layer_idx, ubatch_idx, k))
-            for peer, bufs in targets
-            for buf, k in bufs
+            recv(buf, peer, tag | kind) for peer, bufs in targets for buf, kind in bufs
         ]
-        self._a2f_bytes += self._a2f_nbytes[ubatch_idx]
+        self._a2f_bytes += nbytes
         self._wait_all(pending)
         return batch
 
-    def _a2f_targets(self, ubatch_idx: int, total: int) -> tuple[A2FBatch, list]:
+    def _a2f_targets(
+        self, ubatch_idx: int, total: int
+    ) -> tuple[A2FBatch, list[tuple[int, list]], int]:
         """Buffers and per-peer slices of one ubatch, built once per step."""
         m = self._merged
         hidden = self._buffer("a2f", ubatch_idx, (total, self._hidden), self._dtype)
-        bufs = [(hidden, Kind.A2F_HIDDEN)]
+        bufs = [(hidden, _HIDDEN)]
         routing = None
         if self._gate:
             k = self._top_k
             w = self._buffer("topk_w", ubatch_idx, (total, k), torch.float32)
             ids = self._buffer("topk_ids", ubatch_idx, (total, k), torch.int32)
             routing = Routing(w, ids)
-            bufs += [(w, Kind.A2F_TOPK_WEIGHTS), (ids, Kind.A2F_TOPK_IDS)]
+            bufs += [(w, _TOPK_W), (ids, _TOPK_IDS)]
         targets = []
         for i, peer in enumerate(self._peers):
             n = m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
@@ -336,33 +348,44 @@ class AFDConnector(ConnectorCore):
                 targets.append((peer, bufs))  # the only peer with tokens
             elif n:
                 targets.append((peer, [(b[off : off + n], k) for b, k in bufs]))
-        self._a2f_nbytes[ubatch_idx] = sum(
-            b.numel() * b.element_size() for b, _ in bufs
-        )
-        entry = self._a2f_plan[ubatch_idx] = (A2FBatch(hidden, routing), targets)
+        entry = (A2FBatch(hidden, routing), targets, total * self._a2f_row_bytes)
+        self._a2f_plan[ubatch_idx] = entry
         return entry
 
     def send_f2a(
         self, layer_idx: int, ubatch_idx: int, out: torch.Tensor
     ) -> SendHandle:
         """Start returning ``out [ΣT, C]`` to the peers, each its own slice."""
-        self._check(FFN, "send_f2a")
+        if self._live is not FFN:
+            self._check(FFN, "send_f2a")
         total = self._planned(layer_idx, ubatch_idx)
         cols = self.f2a_cols(layer_idx)
         self._check_tensor("out", out, (total, cols), self._dtype)
         out = out.contiguous()
-        m = self._merged
-        key = ExchangeKey(m.step_id, layer_idx, ubatch_idx, Kind.F2A)  # type: ignore[union-attr]
-        pending: list[Pending] = []
-        for i, peer in enumerate(self._peers):
-            n = m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
-            if n == total:
-                pending.append(self._post(True, out, peer, key))
-            elif n:
-                off = m.offsets[i][ubatch_idx]  # type: ignore[union-attr]
-                pending.append(self._post(True, out[off : off + n], peer, key))
-        self._f2a_bytes += out.numel() * out.element_size()
+        tag = (
+            self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
+        ) | _F2A
+        slices = self._f2a_plan.get(ubatch_idx)
+        if slices is None:
+            slices = self._f2a_slices(ubatch_idx, total)
+        send = self._send
+        pending = [
+            send(out if n == total else out[off : off + n], peer, tag)
+            for peer, off, n in slices
+        ]
+        self._f2a_bytes += total * cols * self._itemsize
         handle = SendHandle(pending, self._wait_all)
         if pending:
             self._pending_sends.append(handle)
         return handle
+
+    def _f2a_slices(self, ubatch_idx: int, total: int) -> list[tuple[int, int, int]]:
+        """(peer, offset, tokens) of each peer with tokens in ``ubatch_idx``."""
+        m = self._merged
+        slices = [
+            (peer, m.offsets[i][ubatch_idx], m.peer_tokens[i][ubatch_idx])  # type: ignore[union-attr]
+            for i, peer in enumerate(self._peers)
+            if m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
+        ]
+        self._f2a_plan[ubatch_idx] = slices
+        return slices

@@ -32,6 +32,7 @@ from vllm_afd.connector.protocol import (
     ExecMode,
     Fingerprint,
     StepPlan,
+    step_tag,
     ubatches,
 )
 from vllm_afd.errors import (
@@ -99,18 +100,26 @@ class ConnectorCore:
             if fingerprint.compute_gate_on_attention
             else frozenset(range(n_layers))
         )
-        self._dev_type = device.type
+        self._on_cuda = device.type == "cuda"
         self._wait_timeout_s = timeout_s  # of the current step (_set_step_mode)
         self._failure: BaseException | None = None
         self._plan: StepPlan | None = None
         self._merged: MergedPlan | None = None
+        self._step_id = 0  # of the current plan
+        self._step_bits = 0  # its tag bits (protocol.step_tag)
         self._pending_sends: list[SendHandle] = []
         self._pool: dict[tuple[str, int], torch.Tensor] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
         # ubatch -> (batch, [(peer, [(slice, kind)])]) of the current FFN step.
-        self._a2f_plan: dict[int, tuple[A2FBatch, list]] = {}
-        self._a2f_nbytes: dict[int, int] = {}
+        self._a2f_plan: dict[int, tuple[A2FBatch, list, int]] = {}
+        # ubatch -> [(peer, offset, tokens)] of the current FFN step's F2A.
+        self._f2a_plan: dict[int, list[tuple[int, int, int]]] = {}
+        self._itemsize = self._dtype.itemsize
+        # A2F bytes per token: hidden, plus topk weights and ids with the gate.
+        self._a2f_row_bytes = self._hidden * self._itemsize + (
+            2 * 4 * self._top_k if self._gate else 0
+        )
         # (layer, ubatch) -> F2A receive posted by send_a2f (prepost_recv).
         self._preposted: dict[tuple[int, int], RecvHandle] = {}
         self._steps = self._a2f_bytes = self._f2a_bytes = self._errors = 0
@@ -171,7 +180,8 @@ class ConnectorCore:
     def _check_tensor(
         self, name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype
     ) -> None:
-        if t.shape == shape and t.dtype is dtype and t.device.type == self._dev_type:
+        on_device = t.is_cuda if self._on_cuda else t.is_cpu  # t.device is slow
+        if t.shape == shape and t.dtype is dtype and on_device:
             return
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise AFDProtocolError(
@@ -201,14 +211,23 @@ class ConnectorCore:
         view = self._views[(slot, index)] = flat[:need].view(shape)
         return view
 
-    def _post(
-        self, is_send: bool, tensor: torch.Tensor, peer: int, key: ExchangeKey
-    ) -> Pending:
+    def _begin_step(self, step_id: int, mode: ExecMode) -> None:
+        self._step_id, self._step_bits = step_id, step_tag(step_id)
+        slow = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
+        self._wait_timeout_s = self._warmup_timeout_s if slow else self._timeout_s
+        self._steps += 1
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
         try:
-            op = self._data.isend if is_send else self._data.irecv
-            return (op(tensor, peer, key), peer, key, is_send)
+            return (self._data.isend(tensor, peer, tag), peer, tag, True)
         except AFDError as e:
-            raise self._fail(e, peer, key, is_send) from e
+            raise self._fail(e, peer, tag, True) from e
+
+    def _recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        try:
+            return (self._data.irecv(tensor, peer, tag), peer, tag, False)
+        except AFDError as e:
+            raise self._fail(e, peer, tag, False) from e
 
     def _drain_sends(self) -> None:
         handles, self._pending_sends = self._pending_sends, []
@@ -230,21 +249,15 @@ class ConnectorCore:
         """Columns of layer ``layer_idx``'s F2A tensor (H or H * parts)."""
         return self._f2a_cols.get(layer_idx, self._hidden)
 
-    def _set_step_mode(self, mode: ExecMode) -> None:
-        """Waits of this step get ``warmup_timeout_s`` in WARMUP/CAPTURE
-        steps, ``timeout_s`` otherwise."""
-        slow = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
-        self._wait_timeout_s = self._warmup_timeout_s if slow else self._timeout_s
-
     def _wait_all(self, pending: Sequence[Pending]) -> None:
         t0 = time.perf_counter()
         timeout_s = self._wait_timeout_s
-        for work, peer, key, is_send in pending:
+        for work, peer, tag, is_send in pending:
             try:
                 work.wait(timeout_s)
             except AFDError as e:
                 self._wait_s += time.perf_counter() - t0
-                raise self._fail(e, peer, key, is_send) from e
+                raise self._fail(e, peer, tag, is_send) from e
         self._wait_s += time.perf_counter() - t0
 
     def _peer_name(self, peer: int) -> str:
@@ -255,12 +268,13 @@ class ConnectorCore:
         self,
         err: AFDError,
         peer: int | None = None,
-        key: ExchangeKey | None = None,
+        tag: int | None = None,
         is_send: bool = False,
     ) -> AFDError:
         """Record ``err`` (the connector is unusable after it), add context."""
         self._errors += 1
-        if peer is not None and key is not None:
+        if peer is not None and tag is not None:
+            key = ExchangeKey.from_tag(tag, self._step_id)
             name = self._peer_name(peer)
             what = key.describe(f"{'to' if is_send else 'from'} {name}")
             verb = "sending" if is_send else "waiting for"

@@ -6,13 +6,13 @@ Dimensions: T tokens, H hidden size, K top-k (see ``protocol``).
 
     sender                                   receiver
     ------                                   --------
-    w = isend(t, peer, key) ---- bytes ----> w = irecv(buf, peer, key)
+    w = isend(t, peer, tag) ---- bytes ----> w = irecv(buf, peer, tag)
     w.wait(timeout_s)                        w.wait(timeout_s)  # buf now valid
 
 The data plane knows nothing about requests, plans or roles: the facade
-slices and merges, then asks for single contiguous tensor moves. ``key``
-(step, layer, ubatch, kind) must match on both sides; a receive never consumes
-a message sent under another key.
+slices and merges, then asks for single contiguous tensor moves. ``tag`` is
+the 31-bit ``ExchangeKey.tag`` of (step, layer, ubatch, kind) and must match
+on both sides; a receive never consumes a message sent under another tag.
 
 Threading model: all methods are called from the worker thread, except
 ``close`` which may come from any thread.
@@ -40,7 +40,6 @@ from abc import ABC, abstractmethod
 import torch
 
 from vllm_afd.connector.control import Rendezvous
-from vllm_afd.connector.protocol import ExchangeKey
 
 
 class Work(ABC):
@@ -68,11 +67,11 @@ class DataPlane(ABC):
         """Join the transport; called once, after the handshake."""
 
     @abstractmethod
-    def isend(self, tensor: torch.Tensor, peer: int, key: ExchangeKey) -> Work:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Start sending contiguous ``tensor`` to connector rank ``peer``."""
 
     @abstractmethod
-    def irecv(self, tensor: torch.Tensor, peer: int, key: ExchangeKey) -> Work:
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """Start receiving into contiguous ``tensor`` from connector rank ``peer``."""
 
     @abstractmethod

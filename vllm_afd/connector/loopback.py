@@ -24,7 +24,7 @@ import torch
 from vllm_afd.config import AFDRole
 from vllm_afd.connector.control import ControlPlane, Rendezvous
 from vllm_afd.connector.data import DataPlane, Work
-from vllm_afd.connector.protocol import ExchangeKey, Fingerprint, StepPlan
+from vllm_afd.connector.protocol import Fingerprint, StepPlan
 from vllm_afd.errors import (
     AFDConnectorError,
     AFDPeerError,
@@ -266,18 +266,18 @@ class LoopbackDataPlane(DataPlane):
     def start(self, rendezvous: Rendezvous) -> None:
         assert self._control.hub is not None
 
-    def isend(self, tensor: torch.Tensor, peer: int, key: ExchangeKey) -> Work:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         hub = self._control.hub
         assert hub is not None
         with hub.cond:
-            hub.mail[(self._me, peer, key.tag)].append(tensor.clone())
+            hub.mail[(self._me, peer, tag)].append(tensor.clone())
             hub.cond.notify_all()
         return _DoneWork()
 
-    def irecv(self, tensor: torch.Tensor, peer: int, key: ExchangeKey) -> Work:
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         hub = self._control.hub
         assert hub is not None
-        return _RecvWork(hub, peer, self._me, key.tag, tensor)
+        return _RecvWork(hub, peer, self._me, tag, tensor)
 
     def close(self) -> None:
         return None

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from vllm_afd.connector.control import Rendezvous
 from vllm_afd.connector.data import DataPlane, Work
-from vllm_afd.connector.protocol import ExchangeKey
 from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
 
 
@@ -146,17 +145,17 @@ class P2PDataPlane(DataPlane):
         opts._timeout = _td(self._connect_timeout_s)
         return gloo(store, self._rank, self._world, opts)
 
-    def isend(self, tensor: torch.Tensor, peer: int, key: ExchangeKey) -> Work:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         pg = self._group()
         try:
-            return self._work_cls(pg.send([tensor], peer, key.tag))
+            return self._work_cls(pg.send([tensor], peer, tag))
         except RuntimeError as e:
             raise _translate(e) from None
 
-    def irecv(self, tensor: torch.Tensor, peer: int, key: ExchangeKey) -> Work:
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         pg = self._group()
         try:
-            return self._work_cls(pg.recv([tensor], peer, key.tag))
+            return self._work_cls(pg.recv([tensor], peer, tag))
         except RuntimeError as e:
             raise _translate(e) from None
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm_afd.connector.data import Work
-from vllm_afd.connector.protocol import ExchangeKey
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,8 @@ class ConnectorStats:
     errors: int = 0
 
 
-# (work, peer connector rank, exchange, is_send): formatted only on error.
-Pending = tuple[Work, int, ExchangeKey, bool]
+# (work, peer connector rank, ExchangeKey.tag, is_send): decoded only on error.
+Pending = tuple[Work, int, int, bool]
 WaitFn = Callable[[Sequence[Pending]], None]
 
 

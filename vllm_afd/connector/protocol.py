@@ -86,6 +86,21 @@ _KIND_TEXT = {
 STEP_BITS, LAYER_BITS, UBATCH_BITS, KIND_BITS = 16, 10, 3, 2
 MAX_LAYERS = 1 << LAYER_BITS
 MAX_UBATCHES = 1 << UBATCH_BITS
+UBATCH_SHIFT = KIND_BITS
+LAYER_SHIFT = UBATCH_SHIFT + UBATCH_BITS
+STEP_SHIFT = LAYER_SHIFT + LAYER_BITS
+_STEP_MASK = (1 << STEP_BITS) - 1
+
+
+def step_tag(step_id: int) -> int:
+    """The step bits of every tag of step ``step_id``; OR in the rest with
+    :func:`exchange_tag` (the connector's hot path builds tags from ints)."""
+    return (step_id & _STEP_MASK) << STEP_SHIFT
+
+
+def exchange_tag(step_bits: int, layer_idx: int, ubatch_idx: int, kind: int) -> int:
+    """The 31-bit transport tag of one exchange (``ExchangeKey.tag``)."""
+    return step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT | kind
 
 
 def ubatches(n: int) -> str:
@@ -104,11 +119,21 @@ class ExchangeKey(NamedTuple):
     @property
     def tag(self) -> int:
         """The 31-bit transport tag of this exchange."""
-        step = self.step_id & ((1 << STEP_BITS) - 1)
-        return (
-            (((step << LAYER_BITS) | self.layer_idx) << UBATCH_BITS | self.ubatch_idx)
-            << KIND_BITS
-        ) | int(self.kind)
+        return exchange_tag(
+            step_tag(self.step_id), self.layer_idx, self.ubatch_idx, int(self.kind)
+        )
+
+    @classmethod
+    def from_tag(cls, tag: int, step_id: int) -> ExchangeKey:
+        """The exchange of ``tag``, whose step is ``step_id`` or the latest
+        step before it with the same low bits (tags keep 16 bits of it)."""
+        back = (step_id - (tag >> STEP_SHIFT)) & _STEP_MASK
+        return cls(
+            step_id - back,
+            (tag >> LAYER_SHIFT) & (MAX_LAYERS - 1),
+            (tag >> UBATCH_SHIFT) & (MAX_UBATCHES - 1),
+            Kind(tag & ((1 << KIND_BITS) - 1)),
+        )
 
     def describe(self, peer: str = "") -> str:
         """E.g. ``f2a from ffn rank 0 (step 12, layer 3, ubatch 0)``."""
