@@ -102,7 +102,7 @@ def _parse_choice(choice: dict[str, Any]) -> Completion:
     )
 
 
-def _body(model: str, prompt: str, max_tokens: int, stream: bool) -> bytes:
+def _body(model: str, prompt: str | list[int], max_tokens: int, stream: bool) -> bytes:
     return json.dumps(
         {
             "model": model,
@@ -120,7 +120,7 @@ def _body(model: str, prompt: str, max_tokens: int, stream: bool) -> bytes:
 def complete(
     url: str,
     model: str,
-    prompt: str,
+    prompt: str | list[int],
     max_tokens: int,
     stream: bool,
     timeout: float = 300.0,

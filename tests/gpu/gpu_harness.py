@@ -3,6 +3,7 @@ set through the deployment spec's ``attention_devices`` / ``ffn_devices``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +62,12 @@ def afd_and_plain(
     texts: list[str],
     tmp_path: Path,
     env: dict[str, str] | None = None,
+    after: Callable[[Deployment], None] | None = None,
 ) -> tuple[list[Completion], list[Completion], dict]:
     """The workload's outputs from AFD (on ``spec``'s devices) and from plain
     vLLM on GPU 0, each in one server lifetime, and the FFN's settled
-    counters. ``env`` goes to every server; logs to ``tmp_path``."""
+    counters. ``env`` goes to every server; logs to ``tmp_path``. ``after``
+    runs on the AFD deployment once its counters are read, before it stops."""
     env = env or {}
     with (tmp_path / "afd.log").open("w") as log:
         afd = Deployment(spec, log=log)
@@ -73,6 +76,8 @@ def afd_and_plain(
             afd.start(ready_timeout=600)
             afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
             ffn = settled_metrics(afd.ffn.url)
+            if after is not None:
+                after(afd)
         finally:
             afd.stop()
     with (tmp_path / "plain.log").open("w") as log:

@@ -62,7 +62,7 @@ archive_logs() {
 trap archive_logs EXIT
 trap 'exit 143' TERM INT
 if [ $RUN_TESTS = 1 ]; then
-  python3 -m pytest tests/gpu -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
+  python3 -m pytest tests/gpu tests/connector -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$OUT" <<'PY'
