@@ -5,7 +5,8 @@ every (tokens, hidden) the attention side times ``send_a2f`` + ``recv_f2a``
 while the FFN echoes the batch back; in the same run and the same processes it
 times a raw ``send`` + ``recv`` of the same tensors on a separate process group
 of the same backend. Raw and connector alternate every iteration (so both see
-the same machine state); medians are reported. Iterations run in steps of
+the same machine state), and so does which of the two goes first; medians
+are reported. Iterations run in steps of
 ``LAYERS`` layers, as the serving loops do: a step plan before each step
 (untimed), and the FFN waits its sends at the end of the step (the connector
 does it at the next plan), raw and connector alike. Each role is pinned to its own
@@ -133,29 +134,31 @@ def _attention(args, port: int, q: Any) -> None:
                 if i % LAYERS == 0:
                     conn.send_plan(StepPlan(plan_id, ExecMode.EAGER, (tok,)))
                     plan_id += 1
-                _sync(device)
-                t0 = time.perf_counter()
-                # The schedule the connector uses: on Gloo the receive is
-                # posted first (fast path); on NCCL it must follow the send,
-                # or it would block the stream ahead of it.
-                if gloo:
-                    r = pg.recv([buf], 0, i % 1024)
-                    w = pg.send([x], 0, i % 1024)
-                else:
-                    w = pg.send([x], 0, i % 1024)
-                    r = pg.recv([buf], 0, i % 1024)
-                w.wait()
-                r.wait()
-                _sync(device)
-                t1 = time.perf_counter()
-                h = conn.send_a2f(i % LAYERS, 0, x)
-                out = conn.recv_f2a(i % LAYERS, 0)
-                h.wait()
-                _sync(device)
-                t2 = time.perf_counter()
-                if i >= args.warmup:
-                    raw_t.append(t1 - t0)
-                    conn_t.append(t2 - t1)
+                # Who goes first alternates too: the second round trip of an
+                # iteration runs on warmer threads.
+                for which in (i % 2, 1 - i % 2):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    if which == 0:
+                        # The schedule the connector uses: on Gloo the receive
+                        # is posted first (fast path); on NCCL it must follow
+                        # the send, or it would block the stream ahead of it.
+                        if gloo:
+                            r = pg.recv([buf], 0, i % 1024)
+                            w = pg.send([x], 0, i % 1024)
+                        else:
+                            w = pg.send([x], 0, i % 1024)
+                            r = pg.recv([buf], 0, i % 1024)
+                        w.wait()
+                        r.wait()
+                    else:
+                        h = conn.send_a2f(i % LAYERS, 0, x)
+                        out = conn.recv_f2a(i % LAYERS, 0)
+                        h.wait()
+                    _sync(device)
+                    if i >= args.warmup:
+                        times = conn_t if which else raw_t
+                        times.append(time.perf_counter() - t0)
             assert torch.equal(out, x) and torch.equal(buf, x), "echo mismatch"
             raw_us = statistics.median(raw_t) * 1e6
             conn_us = statistics.median(conn_t) * 1e6
@@ -245,10 +248,13 @@ def _ffn(args, port: int) -> None:
                         work.wait()
                     sent.clear()
                     assert conn.recv_plan() is not None
-                pg.recv([buf], 1, i % 1024).wait()
-                sent.append(pg.send([buf], 1, i % 1024))
-                batch = conn.recv_a2f(i % LAYERS, 0)
-                conn.send_f2a(i % LAYERS, 0, batch.hidden)
+                for which in (i % 2, 1 - i % 2):
+                    if which == 0:
+                        pg.recv([buf], 1, i % 1024).wait()
+                        sent.append(pg.send([buf], 1, i % 1024))
+                    else:
+                        batch = conn.recv_a2f(i % LAYERS, 0)
+                        conn.send_f2a(i % LAYERS, 0, batch.hidden)
             for work in sent:
                 work.wait()
             if device.type == "cuda":
