@@ -101,7 +101,7 @@ class ConnectorCore:
             else frozenset(range(n_layers))
         )
         self._on_cuda = device.type == "cuda"
-        self._wait_timeout_s = timeout_s  # of the current step (_set_step_mode)
+        self._wait_timeout_s = timeout_s  # of the current step (_begin_step)
         self._failure: BaseException | None = None
         self._plan: StepPlan | None = None
         self._merged: MergedPlan | None = None
@@ -111,7 +111,8 @@ class ConnectorCore:
         self._pool: dict[tuple[str, int], torch.Tensor] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
-        # ubatch -> (batch, [(peer, [(slice, kind)])]) of the current FFN step.
+        # ubatch -> (batch, [(peer, [(slice, kind)])], A2F bytes) of the
+        # current FFN step.
         self._a2f_plan: dict[int, tuple[A2FBatch, list, int]] = {}
         # ubatch -> [(peer, offset, tokens)] of the current FFN step's F2A.
         self._f2a_plan: dict[int, list[tuple[int, int, int]]] = {}
@@ -212,6 +213,8 @@ class ConnectorCore:
         return view
 
     def _begin_step(self, step_id: int, mode: ExecMode) -> None:
+        """A new plan: its tag bits, and its waits' timeout (``warmup_timeout_s``
+        in WARMUP/CAPTURE steps, ``timeout_s`` otherwise)."""
         self._step_id, self._step_bits = step_id, step_tag(step_id)
         slow = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
         self._wait_timeout_s = self._warmup_timeout_s if slow else self._timeout_s
