@@ -278,6 +278,31 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _results(q: Any, procs: list, timeout_s: float) -> list[dict] | None:
+    """The attention role's rows; None (after saying why) if a role process
+    died first or the run outlived ``timeout_s``."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            pass
+        dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+        if dead:
+            role = "ffn" if dead[0] is procs[0] else "attention"
+            print(f"the {role} process failed (exit code {dead[0].exitcode}); "
+                  "its traceback is above", file=sys.stderr)  # fmt: skip
+            break
+    else:
+        print(f"no results from the attention process after {timeout_s:g} s "
+              "(--timeout)", file=sys.stderr)  # fmt: skip
+    for p in procs:
+        p.kill()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -291,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         help="do not pin each role to its own CPU core",
     )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument(
+        "--timeout", type=float, default=3600.0,
+        help="seconds to wait for the whole run (default 3600)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        p.error(f"--dtype {args.dtype} is not a torch dtype (e.g. bfloat16)")
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("--device cuda needs 2 GPUs", file=sys.stderr)
         return 2
@@ -304,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for proc in procs:
         proc.start()
-    rows = q.get(timeout=3600)
+    rows = _results(q, procs, args.timeout)
+    if rows is None:
+        return 1
     for proc in procs:
-        proc.join()
+        proc.join(60)
     print(f"A2F+F2A round trip, {args.device}, {args.dtype}, median of "
           f"{args.iters} iterations, raw and connector interleaved")  # fmt: skip
     print(_table(rows))
