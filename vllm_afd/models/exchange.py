@@ -66,10 +66,10 @@ class AttentionExchange:
         ubatch_tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
         with self._lock:
             self.step_id += 1
+            plan = StepPlan(self.step_id, mode, ubatch_tokens)
             if self.on_step is not None:
-                self.on_step()
+                self.on_step(plan)
             if self.connector is not None:
-                plan = StepPlan(self.step_id, mode, ubatch_tokens)
                 self.connector.send_plan(plan)
 
     def stage_ubatches(self, ubatch_tokens: tuple[int, ...]) -> None:

@@ -95,7 +95,7 @@ class FFNSideMixin(AFDRunnerMixin):
             self._afd_compute,
             model.remote_layers,
             on_exit=self._afd_loop_exited,
-            on_step=lambda _plan: self.afd_profiler.step(),
+            on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
         )
         if endpoint.connector is not None:

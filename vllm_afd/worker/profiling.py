@@ -13,7 +13,9 @@ loop once per step::
         ...
     prof.close()                         # exports a partial trace, if any
 
-Each step is a ``afd_{role}_step#{k}`` range in the trace. CPU activity is
+Each step is a ``afd_{role}_step#{k} step=ID tokens=N[+N] mode=MODE`` range in
+the trace (``step_label``); ``tools/gpu/overlap_report.py`` reads the GPU
+kernels of both roles' traces step by step. CPU activity is
 always recorded, CUDA activity when a CUDA device is available. The trace
 covers the threads the profiler sees; call ``step()`` from the thread that
 runs the steps.
@@ -29,6 +31,14 @@ from typing import Any
 from vllm_afd import envs
 
 logger = logging.getLogger(__name__)
+
+
+def step_label(plan: Any) -> str:
+    """``step=12 tokens=64+64 mode=REPLAY``: the same on both roles for one
+    step (the FFN's merged plan keeps the attention step id), so traces of
+    the two roles can be matched step by step."""
+    tokens = "+".join(str(n) for n in plan.ubatch_tokens)
+    return f"step={plan.step_id} tokens={tokens} mode={plan.mode.name}"
 
 
 class StepProfiler:
@@ -67,8 +77,12 @@ class StepProfiler:
         """True while this profiler still has steps to record."""
         return not self._done
 
-    def step(self) -> None:
-        """Mark the start of a step (the first recorded call starts tracing)."""
+    def step(self, plan: Any = None) -> None:
+        """Mark the start of a step (the first recorded call starts tracing).
+
+        ``plan`` (a ``StepPlan`` or ``MergedPlan``) names the step's range
+        with its id, tokens per micro-batch and mode (:func:`step_label`).
+        """
         if self._done:
             return
         if self._skip > 0:
@@ -82,7 +96,7 @@ class StepProfiler:
             if self._recorded >= self.steps:
                 self._finish()
                 return
-        self._enter_range()
+        self._enter_range(plan)
 
     def close(self) -> None:
         """Stop and export what was recorded (no-op if nothing or done)."""
@@ -110,10 +124,13 @@ class StepProfiler:
             self.path,
         )
 
-    def _enter_range(self) -> None:
+    def _enter_range(self, plan: Any = None) -> None:
         from torch.profiler import record_function
 
-        self._range = record_function(f"afd_{self.role}_step#{self._recorded}")
+        name = f"afd_{self.role}_step#{self._recorded}"
+        if plan is not None:
+            name += f" {step_label(plan)}"
+        self._range = record_function(name)
         self._range.__enter__()
 
     def _finish(self) -> None:
