@@ -17,6 +17,10 @@ change diagnostics, never behaviour a user relies on.
 ``AFD_PROFILE_SKIP``
     Steps to let pass before tracing starts (default 0); start-up runs
     profile and warm-up forwards that count as steps.
+``AFD_PROFILE_TOKENS``
+    Start tracing at the first step (after the skipped ones) that plans this
+    many tokens in all and is not a warm-up or graph-capture step, e.g. the
+    decode steps of a batch (default: any step).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
 AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
 AFD_PROFILE_SKIP = "AFD_PROFILE_SKIP"
+AFD_PROFILE_TOKENS = "AFD_PROFILE_TOKENS"
 
 
 def server_pid() -> int | None:
@@ -54,3 +59,8 @@ def profile_steps() -> int:
 
 def profile_skip() -> int:
     return int(os.environ.get(AFD_PROFILE_SKIP, "0"))
+
+
+def profile_tokens() -> int | None:
+    value = os.environ.get(AFD_PROFILE_TOKENS)
+    return int(value) if value else None

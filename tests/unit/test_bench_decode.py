@@ -5,6 +5,8 @@ itself needs two GPUs."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,3 +53,49 @@ def test_ratios_against_best_baseline_no_split_and_halves(bench) -> None:
         # two 32-token steps back to back give afd-1a1f's B=32 throughput
         (64, "afd-1a1f-ub2", "afd-1a1f B/2 twice"): 1.5,
     }
+
+
+def test_profile_batch_must_be_a_measured_batch(bench, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", "x.json", "--batches", "16,32", "--profile-batch", "64"])
+    assert e.value.code == 2
+    assert "--profile-batch 64 is not one of --batches" in capsys.readouterr().err
+
+
+def test_profile_env_is_set_only_with_a_batch(bench, monkeypatch, tmp_path) -> None:
+    for name in ("AFD_PROFILE_DIR", "AFD_PROFILE_TOKENS", "AFD_PROFILE_STEPS"):
+        monkeypatch.setenv(name, "")  # restored (unset) after the test
+        monkeypatch.delenv(name)
+    assert bench._profile_env(tmp_path, None) == {}
+    env = bench._profile_env(tmp_path / "t", 64)
+    assert env == {
+        "AFD_PROFILE_DIR": str(tmp_path / "t"),
+        "AFD_PROFILE_TOKENS": "64",
+        "AFD_PROFILE_STEPS": "20",
+    }
+    assert all(os.environ[k] == v for k, v in env.items())
+
+
+def test_overlap_reads_both_traces_or_says_why_not(bench, tmp_path) -> None:
+    missing = bench.overlap(tmp_path, 27)
+    assert "attention-rank0-pid*.json" in missing["error"]
+    events = []
+    for role, corr, (start, end) in (
+        ("attention", 1, (100, 300)),
+        ("ffn", 2, (150, 250)),
+    ):
+        events = [
+            {"ph": "X", "cat": "user_annotation", "ts": 0, "dur": 50,
+             "name": f"afd_{role}_step#0 step=3 tokens=64 mode=REPLAY"},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 10,
+             "dur": 1, "args": {"correlation": corr}},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": start,
+             "dur": end - start, "args": {"correlation": corr}},
+        ]  # fmt: skip
+        path = tmp_path / f"{role}-rank0-pid{corr}.json"
+        path.write_text(json.dumps({"traceEvents": events}))
+    found = bench.overlap(tmp_path, 27)
+    (group,) = found["groups"]
+    assert group["tokens"] == "64" and group["steps"] == 1
+    assert group["step_us"] == 200 and group["efficiency"] == 1.0
+    assert group["both_us"] == 100 and len(found["steps"]) == 1

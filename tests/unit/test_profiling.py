@@ -53,3 +53,30 @@ def test_step_profiler_close_exports_partial_trace_after_skip(tmp_path):
         _work()
     prof.close()
     assert _trace_steps(prof.path) == ["afd_ffn_step#0", "afd_ffn_step#1"]
+
+
+def test_step_profiler_tokens_waits_for_a_served_step_of_that_size(
+    monkeypatch, tmp_path
+):
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+
+    monkeypatch.setenv(envs.AFD_PROFILE_TOKENS, "4")
+    prof = StepProfiler("ffn", 0, out_dir=tmp_path, steps=2, skip=1)
+    plans = [
+        StepPlan(1, ExecMode.REPLAY, (4,)),  # skipped by count
+        StepPlan(2, ExecMode.WARMUP, (4,)),  # warm-up: not a served step
+        StepPlan(3, ExecMode.CAPTURE, (2, 2)),  # a graph capture
+        StepPlan(4, ExecMode.EAGER, (3,)),  # another size
+        StepPlan(5, ExecMode.REPLAY, (2, 2)),  # first match: recording starts
+        StepPlan(6, ExecMode.EAGER, (7,)),  # recorded whatever its size
+        StepPlan(7, ExecMode.REPLAY, (4,)),  # exports
+    ]
+    for plan in plans:
+        assert prof.enabled
+        prof.step(plan)
+        _work()
+    assert not prof.enabled
+    assert _trace_steps(prof.path) == [
+        "afd_ffn_step#0 step=5 tokens=2+2 mode=REPLAY",
+        "afd_ffn_step#1 step=6 tokens=7 mode=EAGER",
+    ]

@@ -21,6 +21,11 @@ default compilation and CUDA graphs on both) or ``--compilation-config``.
 the best baseline, and ``afd-1a1f-ub2`` also its ratio to ``afd-1a1f`` at
 the same batch and to ``afd-1a1f`` at half the batch ("B/2 twice": two half
 steps back to back, which is what a split step costs without overlap).
+
+``--profile-batch B`` (B one of ``--batches``) records 20 decode steps of
+batch B on both AFD roles during B's untimed round (``AFD_PROFILE_TOKENS``)
+and reports each AFD setup's GPU time per role and overlap efficiency from
+the traces (``overlap_report.py``), under ``overlap`` in the JSON.
 """
 
 from __future__ import annotations
@@ -177,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--skip-afd", action="store_true")
     p.add_argument(
+        "--profile-batch",
+        type=int,
+        help="trace 20 decode steps of this batch on both AFD roles (its "
+        "untimed round) and report GPU time per role and overlap efficiency",
+    )
+    p.add_argument(
         "--afd-ubatches",
         default="1",
         help="afd.num_ubatches values to run AFD with, comma-separated",
@@ -190,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.profile_batch is not None and args.profile_batch not in args.batches:
+        p.error(f"--profile-batch {args.profile_batch} is not one of --batches")
     model_dir = write_v2_lite_config(Path(tempfile.mkdtemp()) / "v2-lite")
     common = [
         "--load-format",
@@ -214,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "rows": [],
+        "overlap": {},
     }
     port = 8600
     spec = DeploymentSpec(
@@ -236,12 +250,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for ubatches in [] if args.skip_afd else map(int, args.afd_ubatches.split(",")):
         spec.ubatches = ubatches
+        setup = afd_setup(ubatches)
+        traces = Path(args.out).with_name(f"traces-{setup}")
+        profiling = _profile_env(traces, args.profile_batch)
         afd = Deployment(spec, log=log)
         try:
             afd.start(ready_timeout=400)
-            record(measure(afd.api_url, args, afd_setup(ubatches), afd.ffn.url))
+            record(measure(afd.api_url, args, setup, afd.ffn.url))
         finally:
             afd.stop()
+            for name in profiling:
+                os.environ.pop(name, None)
+        if profiling:
+            report["overlap"][setup] = overlap(traces, V2_LITE["num_hidden_layers"])
+            save()
     for name in filter(None, args.baselines.split(",")):
         baseline = DeploymentSpec(
             model=str(model_dir),
@@ -271,6 +293,38 @@ def main(argv: list[str] | None = None) -> int:
             f"B={row['batch']:>4} {row['setup']} / {row['best']} = {row['ratio']:.3f}"
         )
     return 0
+
+
+def _profile_env(traces: Path, batch: int | None) -> dict[str, str]:
+    """Set (and return) the step profiler's variables for the AFD roles,
+    which inherit this process's environment; none without a batch."""
+    if batch is None:
+        return {}
+    env = {
+        "AFD_PROFILE_DIR": str(traces),
+        "AFD_PROFILE_TOKENS": str(batch),
+        "AFD_PROFILE_STEPS": "20",
+    }
+    os.environ.update(env)
+    return env
+
+
+def overlap(traces: Path, layers: int) -> dict:
+    """``overlap_report`` on one setup's traces: printed, and its groups."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import overlap_report
+
+    try:
+        att = overlap_report.load_steps(
+            overlap_report.find_trace(traces, "attention"), "attention"
+        )
+        ffn = overlap_report.load_steps(overlap_report.find_trace(traces, "ffn"), "ffn")
+    except (ValueError, OSError) as e:
+        print(f"overlap: {e}", flush=True)
+        return {"error": str(e)}
+    rows, groups = overlap_report.report(att, ffn)
+    print(overlap_report.table(groups, layers), flush=True)
+    return {"groups": groups, "steps": rows}
 
 
 def afd_setup(ubatches: int) -> str:

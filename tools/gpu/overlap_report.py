@@ -190,7 +190,7 @@ def report(
     return rows, summary
 
 
-def _table(summary: list[dict], layers: int | None) -> str:
+def table(summary: list[dict], layers: int | None) -> str:
     head = (
         f"{'tokens':>10} {'mode':>7} {'steps':>5} {'step us':>9} {'attn us':>9} "
         f"{'ffn us':>9} {'both us':>8} {'effic.':>6} {'neither':>7}"
@@ -210,7 +210,7 @@ def _table(summary: list[dict], layers: int | None) -> str:
     return "\n".join(lines)
 
 
-def _one(directory: Path, role: str) -> Path:
+def find_trace(directory: Path, role: str) -> Path:
     found = sorted(directory.glob(f"{role}-rank0-pid*.json"))
     if len(found) != 1:
         names = ", ".join(p.name for p in found) or "none"
@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.traces is None and not (args.attention and args.ffn):
         p.error("give the traces directory, or --attention and --ffn")
     try:
-        att_path = args.attention or _one(args.traces, "attention")
-        ffn_path = args.ffn or _one(args.traces, "ffn")
+        att_path = args.attention or find_trace(args.traces, "attention")
+        ffn_path = args.ffn or find_trace(args.traces, "ffn")
         rows, summary = report(
             load_steps(att_path, "attention"), load_steps(ffn_path, "ffn")
         )
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print("overlap_report: no step was recorded by both roles", file=sys.stderr)
         return 1
     print(f"{len(rows)} steps in both traces ({att_path.name}, {ffn_path.name})")
-    print(_table(summary, args.layers))
+    print(table(summary, args.layers))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": rows, "groups": summary}, f, indent=2)

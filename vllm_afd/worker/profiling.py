@@ -1,7 +1,8 @@
 """Per-role ``torch.profiler`` traces of a few forward steps (a debug switch).
 
 When ``AFD_PROFILE_DIR`` is set, a role process records ``AFD_PROFILE_STEPS``
-steps (default 20) and writes a Chrome trace
+steps (default 20; after ``AFD_PROFILE_SKIP`` steps, from the first served
+step of ``AFD_PROFILE_TOKENS`` tokens when that is set) and writes a Chrome trace
 ``{AFD_PROFILE_DIR}/{role}-rank{rank}-pid{pid}.json`` (open it in Perfetto or
 ``chrome://tracing``). Unset, :meth:`StepProfiler.step` costs one attribute
 check. Called by the attention worker once per ``begin_step`` and by the FFN
@@ -41,6 +42,13 @@ def step_label(plan: Any) -> str:
     return f"step={plan.step_id} tokens={tokens} mode={plan.mode.name}"
 
 
+def _is_step_of(plan: Any, tokens: int) -> bool:
+    """A served (not warm-up, not capture) step of ``tokens`` tokens."""
+    if plan is None or plan.mode.name in ("WARMUP", "CAPTURE"):
+        return False
+    return sum(plan.ubatch_tokens) == tokens
+
+
 class StepProfiler:
     """Records ``steps`` steps of one role process, then writes a Chrome trace.
 
@@ -50,6 +58,9 @@ class StepProfiler:
         out_dir: where to write; default ``envs.profile_dir()``. None: off.
         steps: steps to record; default ``envs.profile_steps()``.
         skip: calls to ignore before recording starts (e.g. warm-up steps).
+        tokens: after the skipped calls, start at the first step whose plan
+            has this many tokens in all and is not a WARMUP or CAPTURE step;
+            default ``envs.profile_tokens()``. None: any step.
     """
 
     def __init__(
@@ -59,6 +70,7 @@ class StepProfiler:
         out_dir: str | os.PathLike[str] | None = None,
         steps: int | None = None,
         skip: int = 0,
+        tokens: int | None = None,
     ) -> None:
         directory = out_dir if out_dir is not None else envs.profile_dir()
         self.role, self.rank = role, rank
@@ -67,6 +79,7 @@ class StepProfiler:
         if directory is not None:
             self.path = Path(directory) / f"{role}-rank{rank}-pid{os.getpid()}.json"
         self._skip = skip
+        self._tokens = tokens if tokens is not None else envs.profile_tokens()
         self._done = self.path is None or self.steps < 1
         self._prof: Any = None
         self._range: Any = None
@@ -89,6 +102,8 @@ class StepProfiler:
             self._skip -= 1
             return
         if self._prof is None:
+            if self._tokens is not None and not _is_step_of(plan, self._tokens):
+                return
             self._start()
         else:
             self._range.__exit__(None, None, None)
