@@ -38,9 +38,11 @@ class Trace:
         label = f"step={step_id} tokens={tokens} mode={mode}"
         name = f"afd_{self.role}_step#{self._k} {label}"
         self._k += 1
-        self.events.append(
-            {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
-        )
+        for cat, at in (("user_annotation", ts), ("gpu_user_annotation", ts + 999)):
+            # torch draws the range on the host and again on the GPU timeline
+            self.events.append(
+                {"ph": "X", "cat": cat, "name": name, "ts": at, "dur": dur}
+            )
 
     def launch(self, at: float, *gpu: tuple[str, float, float]) -> None:
         """One CUDA call at ``at`` (a graph launch) and the GPU work it ran."""

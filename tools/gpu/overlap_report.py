@@ -106,7 +106,8 @@ def load_steps(path: Path, role: str) -> dict[int, StepTrace]:
     ranges = []  # (start, end, StepTrace)
     for e in events:
         m = _STEP.match(e.get("name", ""))
-        if m and m["role"] == role and e.get("ph") == "X":
+        # the host range; torch also draws it on the GPU (gpu_user_annotation)
+        if m and m["role"] == role and e.get("cat") == "user_annotation":
             step = StepTrace(int(m["id"]), m["tokens"], m["mode"])
             ranges.append((e["ts"], e["ts"] + e["dur"], step))
     if not ranges:
