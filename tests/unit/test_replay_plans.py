@@ -108,7 +108,7 @@ def test_capture_marks_the_exchange_while_it_records(endpoints):
     [
         ("PIECEWISE", {}, True, ExecMode.CAPTURE),
         ("PIECEWISE", {}, False, ExecMode.REPLAY),
-        ("NONE", {}, True, ExecMode.EAGER),  # a warm-up run before a capture
+        ("NONE", {}, True, ExecMode.WARMUP),  # a warm-up run before a capture
         ("NONE", {}, False, ExecMode.EAGER),
         ("NONE", None, False, ExecMode.WARMUP),
     ],

@@ -314,7 +314,9 @@ def _forward_mode(positions: torch.Tensor) -> ExecMode:
     which hold the exchanges as they hold every op between two attention
     layers (a FULL replay never runs the forward; the runner announces it).
     WARMUP for profile, compile and idle (dummy) forwards, which carry no
-    attention metadata and may compile on the way, so the FFN waits longer.
+    attention metadata and may compile on the way, so the FFN waits longer,
+    and for the eager warm-up runs the runner makes while it records graphs
+    (dummy batches too; a profiler waiting for served steps skips them).
     EAGER otherwise.
     """
     if positions.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -323,7 +325,7 @@ def _forward_mode(positions: torch.Tensor) -> ExecMode:
     if context.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE:
         capturing = current_exchange().capturing_graphs
         return ExecMode.CAPTURE if capturing else ExecMode.REPLAY
-    if context.attn_metadata is None:
+    if context.attn_metadata is None or current_exchange().capturing_graphs:
         return ExecMode.WARMUP
     return ExecMode.EAGER
 

@@ -42,6 +42,12 @@ def step_label(plan: Any) -> str:
     return f"step={plan.step_id} tokens={tokens} mode={plan.mode.name}"
 
 
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _is_step_of(plan: Any, tokens: int) -> bool:
     """A served (not warm-up, not capture) step of ``tokens`` tokens."""
     if plan is None or plan.mode.name in ("WARMUP", "CAPTURE"):
@@ -96,8 +102,8 @@ class StepProfiler:
         ``plan`` (a ``StepPlan`` or ``MergedPlan``) names the step's range
         with its id, tokens per micro-batch and mode (:func:`step_label`).
         """
-        if self._done:
-            return
+        if self._done or _capturing():
+            return  # a profiler must not start or stop inside a graph capture
         if self._skip > 0:
             self._skip -= 1
             return
