@@ -19,8 +19,12 @@ change diagnostics, never behaviour a user relies on.
     profile and warm-up forwards that count as steps.
 ``AFD_PROFILE_TOKENS``
     Start tracing at the first step (after the skipped ones) that plans this
-    many tokens in all and is not a warm-up or graph-capture step, e.g. the
-    decode steps of a batch (default: any step).
+    many tokens in all, in one of ``AFD_PROFILE_MODES``, e.g. the decode
+    steps of a batch (default: any step).
+``AFD_PROFILE_MODES``
+    Comma-separated plan modes ``AFD_PROFILE_TOKENS`` accepts (default
+    ``EAGER,REPLAY``; ``REPLAY`` alone skips start-up runs, which never
+    replay graphs).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
 AFD_PROFILE_SKIP = "AFD_PROFILE_SKIP"
 AFD_PROFILE_TOKENS = "AFD_PROFILE_TOKENS"
+AFD_PROFILE_MODES = "AFD_PROFILE_MODES"
 
 
 def server_pid() -> int | None:
@@ -64,3 +69,8 @@ def profile_skip() -> int:
 def profile_tokens() -> int | None:
     value = os.environ.get(AFD_PROFILE_TOKENS)
     return int(value) if value else None
+
+
+def profile_modes() -> tuple[str, ...]:
+    value = os.environ.get(AFD_PROFILE_MODES) or "EAGER,REPLAY"
+    return tuple(m.strip().upper() for m in value.split(",") if m.strip())

@@ -63,14 +63,17 @@ def test_profile_batch_must_be_a_measured_batch(bench, capsys) -> None:
 
 
 def test_profile_env_is_set_only_with_a_batch(bench, monkeypatch, tmp_path) -> None:
-    for name in ("AFD_PROFILE_DIR", "AFD_PROFILE_TOKENS", "AFD_PROFILE_STEPS"):
+    names = ("DIR", "TOKENS", "MODES", "STEPS")
+    for name in (f"AFD_PROFILE_{n}" for n in names):
         monkeypatch.setenv(name, "")  # restored (unset) after the test
         monkeypatch.delenv(name)
-    assert bench._profile_env(tmp_path, None) == {}
-    env = bench._profile_env(tmp_path / "t", 64)
+    assert bench._profile_env(tmp_path, None, True) == {}
+    assert bench._profile_env(tmp_path, 8, False)["AFD_PROFILE_MODES"] == "EAGER"
+    env = bench._profile_env(tmp_path / "t", 64, True)
     assert env == {
         "AFD_PROFILE_DIR": str(tmp_path / "t"),
         "AFD_PROFILE_TOKENS": "64",
+        "AFD_PROFILE_MODES": "REPLAY",
         "AFD_PROFILE_STEPS": "20",
     }
     assert all(os.environ[k] == v for k, v in env.items())

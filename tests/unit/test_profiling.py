@@ -71,12 +71,31 @@ def test_step_profiler_tokens_waits_for_a_served_step_of_that_size(
         StepPlan(6, ExecMode.EAGER, (7,)),  # recorded whatever its size
         StepPlan(7, ExecMode.REPLAY, (4,)),  # exports
     ]
+    import threading
+
     for plan in plans:
         assert prof.enabled
         prof.step(plan)
+        if plan.step_id == 6:  # another thread (a micro-batch's) is ignored
+            other = threading.Thread(target=prof.step, args=(plans[0],))
+            other.start()
+            other.join()
         _work()
     assert not prof.enabled
     assert _trace_steps(prof.path) == [
         "afd_ffn_step#0 step=5 tokens=2+2 mode=REPLAY",
         "afd_ffn_step#1 step=6 tokens=7 mode=EAGER",
     ]
+
+
+def test_step_profiler_modes_narrow_the_start(tmp_path):
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+
+    prof = StepProfiler(
+        "ffn", 0, out_dir=tmp_path, steps=1, tokens=4, modes=("REPLAY",)
+    )
+    prof.step(StepPlan(1, ExecMode.EAGER, (4,)))  # a start-up run: not counted
+    prof.step(StepPlan(2, ExecMode.REPLAY, (4,)))
+    _work()
+    prof.step(StepPlan(3, ExecMode.REPLAY, (4,)))
+    assert _trace_steps(prof.path) == ["afd_ffn_step#0 step=2 tokens=4 mode=REPLAY"]

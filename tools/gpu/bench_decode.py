@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         spec.ubatches = ubatches
         setup = afd_setup(ubatches)
         traces = Path(args.out).with_name(f"traces-{setup}")
-        profiling = _profile_env(traces, args.profile_batch)
+        graphs = bool(args.compilation_config or args.cuda_graphs)
+        profiling = _profile_env(traces, args.profile_batch, graphs)
         afd = Deployment(spec, log=log)
         try:
             afd.start(ready_timeout=400)
@@ -295,14 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _profile_env(traces: Path, batch: int | None) -> dict[str, str]:
+def _profile_env(traces: Path, batch: int | None, graphs: bool) -> dict[str, str]:
     """Set (and return) the step profiler's variables for the AFD roles,
-    which inherit this process's environment; none without a batch."""
+    which inherit this process's environment; none without a batch. With
+    graphs only replayed steps count (start-up runs a batch of B eagerly)."""
     if batch is None:
         return {}
     env = {
         "AFD_PROFILE_DIR": str(traces),
         "AFD_PROFILE_TOKENS": str(batch),
+        "AFD_PROFILE_MODES": "REPLAY" if graphs else "EAGER",
         "AFD_PROFILE_STEPS": "20",
     }
     os.environ.update(env)

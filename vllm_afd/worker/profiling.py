@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,9 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _is_step_of(plan: Any, tokens: int) -> bool:
-    """A served (not warm-up, not capture) step of ``tokens`` tokens."""
-    if plan is None or plan.mode.name in ("WARMUP", "CAPTURE"):
+def _is_step_of(plan: Any, tokens: int, modes: tuple[str, ...]) -> bool:
+    """A step of ``tokens`` tokens in one of ``modes``."""
+    if plan is None or plan.mode.name not in modes:
         return False
     return sum(plan.ubatch_tokens) == tokens
 
@@ -65,8 +66,14 @@ class StepProfiler:
         steps: steps to record; default ``envs.profile_steps()``.
         skip: calls to ignore before recording starts (e.g. warm-up steps).
         tokens: after the skipped calls, start at the first step whose plan
-            has this many tokens in all and is not a WARMUP or CAPTURE step;
-            default ``envs.profile_tokens()``. None: any step.
+            has this many tokens in all and one of ``modes``; default
+            ``envs.profile_tokens()``. None: any step.
+        modes: the plan modes ``tokens`` accepts; default
+            ``envs.profile_modes()`` (``EAGER`` and ``REPLAY``: served steps).
+
+    Tracing is bound to a thread: the one that starts it stops it, and calls
+    from other threads (vLLM runs micro-batches on threads of their own) are
+    ignored, their GPU work landing in the step that is open.
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class StepProfiler:
         steps: int | None = None,
         skip: int = 0,
         tokens: int | None = None,
+        modes: tuple[str, ...] | None = None,
     ) -> None:
         directory = out_dir if out_dir is not None else envs.profile_dir()
         self.role, self.rank = role, rank
@@ -86,6 +94,8 @@ class StepProfiler:
             self.path = Path(directory) / f"{role}-rank{rank}-pid{os.getpid()}.json"
         self._skip = skip
         self._tokens = tokens if tokens is not None else envs.profile_tokens()
+        self._modes = modes if modes is not None else envs.profile_modes()
+        self._owner: int | None = None  # the thread that started tracing
         self._done = self.path is None or self.steps < 1
         self._prof: Any = None
         self._range: Any = None
@@ -104,12 +114,17 @@ class StepProfiler:
         """
         if self._done or _capturing():
             return  # a profiler must not start or stop inside a graph capture
+        if self._owner is not None and threading.get_ident() != self._owner:
+            return
         if self._skip > 0:
             self._skip -= 1
             return
         if self._prof is None:
-            if self._tokens is not None and not _is_step_of(plan, self._tokens):
+            if self._tokens is not None and not _is_step_of(
+                plan, self._tokens, self._modes
+            ):
                 return
+            self._owner = threading.get_ident()
             self._start()
         else:
             self._range.__exit__(None, None, None)
