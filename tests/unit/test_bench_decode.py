@@ -4,25 +4,10 @@ itself needs two GPUs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "bench_decode.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["bench_decode"]
 
 
 def row(setup: str, batch: int, tok_per_s: float) -> dict:

@@ -5,27 +5,13 @@ real CPU trace of ``StepProfiler`` for the step labels."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from vllm_afd.connector.protocol import ExecMode, StepPlan
 from vllm_afd.worker.profiling import StepProfiler, step_label
-
-PATH = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "overlap_report.py"
-
-
-@pytest.fixture(scope="module")
-def rep():
-    spec = importlib.util.spec_from_file_location("overlap_report", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["overlap_report"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["overlap_report"]
 
 
 class Trace:
