@@ -42,12 +42,11 @@ from vllm_afd.connector.payloads import (
 )
 from vllm_afd.connector.plan import MergedPlan, merge_plans
 from vllm_afd.connector.protocol import (
-    LAYER_SHIFT,
     PROTOCOL_VERSION,
-    UBATCH_SHIFT,
     ExecMode,
     Kind,
     StepPlan,
+    exchange_tag,
 )
 from vllm_afd.errors import (
     AFDConnectorError,
@@ -56,7 +55,7 @@ from vllm_afd.errors import (
 
 logger = logging.getLogger(__name__)
 _CLOSE_DRAIN_S = 1.0
-# Tag kinds as plain ints: the hot path ORs them into the step's tag bits.
+# Tag kinds as plain ints for protocol.exchange_tag on the hot path.
 _HIDDEN, _F2A = int(Kind.A2F_HIDDEN), int(Kind.F2A)
 _TOPK_W, _TOPK_IDS = int(Kind.A2F_TOPK_WEIGHTS), int(Kind.A2F_TOPK_IDS)
 
@@ -198,11 +197,13 @@ class AFDConnector(ConnectorCore):
         if n == 0:
             return SendHandle((), self._wait_all)
         peer = self._peers[0]
-        tag = self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
+        bits = self._step_bits
         # The bytes leave first; the bookkeeping runs while they travel.
-        pending = [self._send(hidden.contiguous(), peer, tag | _HIDDEN)]
+        tag = exchange_tag(bits, layer_idx, ubatch_idx, _HIDDEN)
+        pending = [self._send(hidden.contiguous(), peer, tag)]
         for t, kind in extra:
-            pending.append(self._send(t.contiguous(), peer, tag | kind))
+            tag = exchange_tag(bits, layer_idx, ubatch_idx, kind)
+            pending.append(self._send(t.contiguous(), peer, tag))
         handle = SendHandle(pending, self._wait_all)
         self._pending_sends.append(handle)
         self._a2f_bytes += n * self._a2f_row_bytes
@@ -210,7 +211,7 @@ class AFDConnector(ConnectorCore):
             # Posted long before the FFN can answer: Gloo takes a slow path
             # for a message that arrives before its receive. Waiting it waits
             # this send first (free: the answer comes after the A2F arrived).
-            early = self._post_f2a(layer_idx, ubatch_idx, n, tag)
+            early = self._post_f2a(layer_idx, ubatch_idx, n)
             early._before = handle
             self._preposted[(layer_idx, ubatch_idx)] = early
         return handle
@@ -255,15 +256,13 @@ class AFDConnector(ConnectorCore):
         if n == 0:
             buf = out if out is not None else torch.empty(0, cols)
             return RecvHandle((), buf.to(self.device, self._dtype), self._wait_all)
-        tag = self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
-        return self._post_f2a(layer_idx, ubatch_idx, n, tag, out)
+        return self._post_f2a(layer_idx, ubatch_idx, n, out)
 
     def _post_f2a(
         self,
         layer_idx: int,
         ubatch_idx: int,
         n: int,
-        tag: int,
         out: torch.Tensor | None = None,
     ) -> RecvHandle:
         cols = self.f2a_cols(layer_idx)
@@ -275,7 +274,8 @@ class AFDConnector(ConnectorCore):
         else:
             buf = out
         self._f2a_bytes += n * cols * self._itemsize
-        pending = [self._recv(buf, self._peers[0], tag | _F2A)]
+        tag = exchange_tag(self._step_bits, layer_idx, ubatch_idx, _F2A)
+        pending = [self._recv(buf, self._peers[0], tag)]
         copy_to = out if out is not None and buf is not out else None
         return RecvHandle(pending, buf, self._wait_all, copy_to)
 
@@ -317,10 +317,11 @@ class AFDConnector(ConnectorCore):
         batch, targets, nbytes = self._a2f_plan.get(ubatch_idx) or self._a2f_targets(
             ubatch_idx, total
         )
-        tag = self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
-        recv = self._recv
+        bits, recv = self._step_bits, self._recv
         pending = [
-            recv(buf, peer, tag | kind) for peer, bufs in targets for buf, kind in bufs
+            recv(buf, peer, exchange_tag(bits, layer_idx, ubatch_idx, kind))
+            for peer, bufs in targets
+            for buf, kind in bufs
         ]
         self._a2f_bytes += nbytes
         self._wait_all(pending)
@@ -362,9 +363,7 @@ class AFDConnector(ConnectorCore):
         cols = self.f2a_cols(layer_idx)
         self._check_tensor("out", out, (total, cols), self._dtype)
         out = out.contiguous()
-        tag = (
-            self._step_bits | layer_idx << LAYER_SHIFT | ubatch_idx << UBATCH_SHIFT
-        ) | _F2A
+        tag = exchange_tag(self._step_bits, layer_idx, ubatch_idx, _F2A)
         slices = self._f2a_plan.get(ubatch_idx)
         if slices is None:
             slices = self._f2a_slices(ubatch_idx, total)
