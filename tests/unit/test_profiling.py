@@ -99,3 +99,28 @@ def test_step_profiler_modes_narrow_the_start(tmp_path):
     _work()
     prof.step(StepPlan(3, ExecMode.REPLAY, (4,)))
     assert _trace_steps(prof.path) == ["afd_ffn_step#0 step=2 tokens=4 mode=REPLAY"]
+
+
+def test_step_profiler_close_writes_only_on_the_tracing_thread(tmp_path, caplog):
+    import threading
+
+    def trace_two_steps(prof: StepProfiler) -> None:
+        prof.step()
+        _work()
+        prof.step()
+
+    on_owner = StepProfiler("ffn", 0, out_dir=tmp_path / "a", steps=10)
+    worker = threading.Thread(
+        target=lambda: (trace_two_steps(on_owner), on_owner.close())
+    )
+    worker.start()
+    worker.join()
+    assert _trace_steps(on_owner.path) == ["afd_ffn_step#0", "afd_ffn_step#1"]
+
+    elsewhere = StepProfiler("ffn", 0, out_dir=tmp_path / "b", steps=10)
+    worker = threading.Thread(target=trace_two_steps, args=(elsewhere,))
+    worker.start()
+    worker.join()
+    elsewhere.close()  # another thread: must not touch torch's profiler
+    assert not elsewhere.enabled and not elsewhere.path.exists()
+    assert "1 recorded ffn steps (rank 0) not written" in caplog.text

@@ -160,6 +160,8 @@ class FFNSideMixin(AFDRunnerMixin):
             )
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
+        if self.afd_profiler is not None:
+            self.afd_profiler.close()  # on the loop's thread, which traced
         if error is None and envs.keep_ffn_alive():
             return
         pid = envs.server_pid()

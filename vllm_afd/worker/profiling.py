@@ -12,7 +12,7 @@ loop once per step::
     while plan := connector.recv_plan():
         prof.step()                      # call 1 starts; call N+1 exports
         ...
-    prof.close()                         # exports a partial trace, if any
+    prof.close()                         # same thread: a partial trace, if any
 
 Each step is a ``afd_{role}_step#{k} step=ID tokens=N[+N] mode=MODE`` range in
 the trace (``step_label``); ``tools/gpu/overlap_report.py`` reads the GPU
@@ -135,9 +135,25 @@ class StepProfiler:
         self._enter_range(plan)
 
     def close(self) -> None:
-        """Stop and export what was recorded (no-op if nothing or done)."""
+        """Stop and export what was recorded (no-op if nothing or done).
+
+        Only the thread that started tracing can stop it (torch's profiler
+        state is per thread; stopping it from another one crashes the
+        process): from any other thread the partial trace is dropped with a
+        warning.
+        """
         if self._done or self._prof is None:
             self._done = True
+            return
+        if threading.get_ident() != self._owner:
+            self._done = True
+            logger.warning(
+                "AFD profiler: %d recorded %s steps (rank %d) not written: "
+                "close() ran on another thread than the steps",
+                self._recorded,
+                self.role,
+                self.rank,
+            )
             return
         self._range.__exit__(None, None, None)
         self._recorded += 1
