@@ -73,9 +73,7 @@ def run_roles(out_dir: Path, devices: tuple[int, int]) -> tuple[list, list]:
     rep = importlib.util.module_from_spec(spec)
     sys.modules["overlap_report"] = rep  # dataclasses look their module up
     spec.loader.exec_module(rep)
-    att = rep.load_steps(rep.find_trace(out_dir, "attention"), "attention")
-    ffn = rep.load_steps(rep.find_trace(out_dir, "ffn"), "ffn")
-    rows, groups = rep.report(att, ffn)
+    rows, groups, _, _ = rep.report_traces(directory=out_dir)
     print(rep.table(groups, None))
     return rows, groups
 

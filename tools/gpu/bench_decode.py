@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from vllm_afd import envs
 from vllm_afd.cli.bench import settled_counters
 from vllm_afd.cli.client import post_json, served_model
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
@@ -303,10 +304,10 @@ def _profile_env(traces: Path, batch: int | None, graphs: bool) -> dict[str, str
     if batch is None:
         return {}
     env = {
-        "AFD_PROFILE_DIR": str(traces),
-        "AFD_PROFILE_TOKENS": str(batch),
-        "AFD_PROFILE_MODES": "REPLAY" if graphs else "EAGER",
-        "AFD_PROFILE_STEPS": "20",
+        envs.AFD_PROFILE_DIR: str(traces),
+        envs.AFD_PROFILE_TOKENS: str(batch),
+        envs.AFD_PROFILE_MODES: "REPLAY" if graphs else "EAGER",
+        envs.AFD_PROFILE_STEPS: "20",
     }
     os.environ.update(env)
     return env
@@ -314,18 +315,16 @@ def _profile_env(traces: Path, batch: int | None, graphs: bool) -> dict[str, str
 
 def overlap(traces: Path, layers: int) -> dict:
     """``overlap_report`` on one setup's traces: printed, and its groups."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     import overlap_report
 
     try:
-        att = overlap_report.load_steps(
-            overlap_report.find_trace(traces, "attention"), "attention"
-        )
-        ffn = overlap_report.load_steps(overlap_report.find_trace(traces, "ffn"), "ffn")
+        rows, groups, _, _ = overlap_report.report_traces(directory=traces)
     except (ValueError, OSError) as e:
         print(f"overlap: {e}", flush=True)
         return {"error": str(e)}
-    rows, groups = overlap_report.report(att, ffn)
     print(overlap_report.table(groups, layers), flush=True)
     return {"groups": groups, "steps": rows}
 

@@ -152,19 +152,20 @@ def step_row(att: StepTrace, ffn: StepTrace) -> dict | None:
         return None
     window = [(min(s for s, _ in gpu), max(e for _, e in gpu))]
     step_us = window[0][1] - window[0][0]
-    att_c, ffn_c = union(att.compute), union(intersect(ffn.compute, window))
+    att_c, ffn_c = att.compute, intersect(ffn.compute, window)
+    att_us, ffn_us = length(att_c), length(ffn_c)
     busy = length(att_c + ffn_c)
     return {
         "step_id": att.step_id,
         "tokens": att.tokens,
         "mode": att.mode,
         "step_us": step_us,
-        "attention_us": length(att_c),
-        "ffn_us": length(ffn_c),
+        "attention_us": att_us,
+        "ffn_us": ffn_us,
         "both_us": length(intersect(att_c, ffn_c)),
         "attention_nccl_us": length(att.nccl),
         "ffn_nccl_us": length(ffn.nccl),
-        "efficiency": max(length(att_c), length(ffn_c)) / step_us if step_us else 0.0,
+        "efficiency": max(att_us, ffn_us) / step_us if step_us else 0.0,
         "neither_share": (step_us - busy) / step_us if step_us else 0.0,
     }
 
@@ -189,6 +190,25 @@ def report(
         for (t, m), g in sorted(groups.items(), key=lambda kv: -len(kv[1]))
     ]
     return rows, summary
+
+
+def report_traces(
+    attention: Path | None = None,
+    ffn: Path | None = None,
+    directory: Path | None = None,
+) -> tuple[list[dict], list[dict], Path, Path]:
+    """:func:`report` of two trace files, each given or found in
+    ``directory``: (rows, groups, attention file, FFN file).
+
+    Raises ValueError (a trace missing, ambiguous or without labelled steps
+    or GPU activity) or OSError (unreadable).
+    """
+    att_path = attention or find_trace(directory, "attention")
+    ffn_path = ffn or find_trace(directory, "ffn")
+    rows, groups = report(
+        load_steps(att_path, "attention"), load_steps(ffn_path, "ffn")
+    )
+    return rows, groups, att_path, ffn_path
 
 
 def table(summary: list[dict], layers: int | None) -> str:
@@ -233,10 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.traces is None and not (args.attention and args.ffn):
         p.error("give the traces directory, or --attention and --ffn")
     try:
-        att_path = args.attention or find_trace(args.traces, "attention")
-        ffn_path = args.ffn or find_trace(args.traces, "ffn")
-        rows, summary = report(
-            load_steps(att_path, "attention"), load_steps(ffn_path, "ffn")
+        rows, summary, att_path, ffn_path = report_traces(
+            args.attention, args.ffn, args.traces
         )
     except (ValueError, OSError) as e:
         print(f"overlap_report: {e}", file=sys.stderr)
