@@ -104,23 +104,24 @@ def test_step_profiler_modes_narrow_the_start(tmp_path):
 def test_step_profiler_close_writes_only_on_the_tracing_thread(tmp_path, caplog):
     import threading
 
-    def trace_two_steps(prof: StepProfiler) -> None:
+    prof = StepProfiler("ffn", 0, out_dir=tmp_path, steps=10)
+    traced, closed_elsewhere = threading.Event(), threading.Event()
+
+    def tracer() -> None:
         prof.step()
         _work()
         prof.step()
+        traced.set()
+        assert closed_elsewhere.wait(30)
+        prof.close()  # the tracing thread: writes the partial trace
 
-    on_owner = StepProfiler("ffn", 0, out_dir=tmp_path / "a", steps=10)
-    worker = threading.Thread(
-        target=lambda: (trace_two_steps(on_owner), on_owner.close())
-    )
+    worker = threading.Thread(target=tracer)
     worker.start()
-    worker.join()
-    assert _trace_steps(on_owner.path) == ["afd_ffn_step#0", "afd_ffn_step#1"]
-
-    elsewhere = StepProfiler("ffn", 0, out_dir=tmp_path / "b", steps=10)
-    worker = threading.Thread(target=trace_two_steps, args=(elsewhere,))
-    worker.start()
-    worker.join()
-    elsewhere.close()  # another thread: must not touch torch's profiler
-    assert not elsewhere.enabled and not elsewhere.path.exists()
-    assert "1 recorded ffn steps (rank 0) not written" in caplog.text
+    assert traced.wait(30)
+    prof.close()  # another thread: must not touch torch's profiler
+    assert prof.enabled and not prof.path.exists()
+    assert "1 recorded ffn steps (rank 0) not written yet" in caplog.text
+    closed_elsewhere.set()
+    worker.join(30)
+    assert not prof.enabled
+    assert _trace_steps(prof.path) == ["afd_ffn_step#0", "afd_ffn_step#1"]

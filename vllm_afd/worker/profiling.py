@@ -139,17 +139,17 @@ class StepProfiler:
 
         Only the thread that started tracing can stop it (torch's profiler
         state is per thread; stopping it from another one crashes the
-        process): from any other thread the partial trace is dropped with a
-        warning.
+        process). From any other thread this only warns: the trace stays
+        open until that thread's next ``step`` or ``close``.
         """
         if self._done or self._prof is None:
             self._done = True
             return
         if threading.get_ident() != self._owner:
-            self._done = True
             logger.warning(
-                "AFD profiler: %d recorded %s steps (rank %d) not written: "
-                "close() ran on another thread than the steps",
+                "AFD profiler: %d recorded %s steps (rank %d) not written yet: "
+                "close() ran on another thread than the steps; the tracing "
+                "thread writes them when it closes",
                 self._recorded,
                 self.role,
                 self.rank,
