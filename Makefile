@@ -1,7 +1,7 @@
 # The two commands a newcomer needs:
 #   make demo   an AFD deployment of a locally made tiny model, answering requests
 #   make test   the test suite (what CI runs)
-.PHONY: setup demo test lint bench-connector
+.PHONY: setup demo test test-fast lint bench-connector
 
 setup:
 	@bash tools/setup.sh
@@ -13,6 +13,12 @@ test: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
 	.venv/bin/python -m pytest -q -p no:cacheprovider
+
+# A few minutes: lint, unit and connector tests (no vLLM servers).
+test-fast: setup
+	.venv/bin/ruff check vllm_afd tests tools
+	.venv/bin/ruff format --check vllm_afd tests tools
+	.venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/connector
 
 lint: setup
 	.venv/bin/ruff check vllm_afd tests tools

@@ -12,26 +12,19 @@ Every key is documented in ``docs/configuration.md``.
 from __future__ import annotations
 
 import difflib
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from vllm_afd.errors import AFDConfigError
+from vllm_afd.roles import AFDRole
 
 AFD_KEY = "afd"
 DEFAULT_PORT = 29650
 #: the most micro-batches a step may be split into (afd.num_ubatches): vLLM
 #: 0.32 keeps per-micro-batch scratch space for two only
 MAX_UBATCHES = 2
-
-
-class AFDRole(str, enum.Enum):
-    """Which half of the model a process serves."""
-
-    ATTENTION = "attention"
-    FFN = "ffn"
 
 
 @dataclass(frozen=True)
@@ -288,3 +281,17 @@ def afd_config_from_additional(additional_config: Any) -> AFDConfig | None:
     if not isinstance(additional_config, Mapping) or AFD_KEY not in additional_config:
         return None
     return parse_afd_config(additional_config[AFD_KEY])
+
+
+def afd_config_of(vllm_config: Any) -> AFDConfig:
+    """The AFD config of a ``VllmConfig`` known to run AFD (in the workers).
+
+    Raises:
+        AFDConfigError: ``additional_config`` holds no ``afd`` key.
+    """
+    afd = afd_config_from_additional(vllm_config.additional_config)
+    if afd is None:
+        raise AFDConfigError(
+            "an AFD worker or model was selected without additional_config['afd']"
+        )
+    return afd

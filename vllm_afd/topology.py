@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_afd.config import AFDRole
 from vllm_afd.errors import AFDConfigError
+from vllm_afd.roles import AFDRole
 
 
 @dataclass(frozen=True)

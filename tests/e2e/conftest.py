@@ -21,3 +21,16 @@ def tiny_models(tmp_path_factory):
         arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=4)
         for arch in ("deepseek_v2", "deepseek_v3")
     }
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """A tiny checkpoint of every family ``vllm-afd tiny-model`` writes (3
+    layers: layer 0 dense where the family has dense layers)."""
+    from vllm_afd.models.tiny_checkpoint import TINY_ARCHS, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return {
+        arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=3)
+        for arch in TINY_ARCHS
+    }

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import random
-import re
 import socket
 import threading
 import time
@@ -306,20 +305,51 @@ def start(spec: DeploymentSpec, **kw: Any) -> tuple[Deployment, LogSink]:
     return afd, log
 
 
-_PARAM_LINE = re.compile(
-    r"^\[(?P<proc>\w+)\].*AFD (?P<role>attention|ffn) model: .*parameter bytes "
-    r"by group (?P<groups>\{.*\})"
-)
+def model_lines(log_text: str) -> dict[str, tuple[dict, dict[str, int]]]:
+    """``{role: (split, bytes by group)}`` from each role's start-up line."""
+    from vllm_afd.models.layout import parse_model_line
+
+    found: dict[str, tuple[dict, dict[str, int]]] = {}
+    for line in log_text.splitlines():
+        parsed = parse_model_line(line)
+        if parsed is not None:
+            found[parsed[0]] = (parsed[1], parsed[2])
+    return found
 
 
 def parameter_bytes(log_text: str) -> dict[str, dict[str, int]]:
     """``{role: {group: bytes}}`` from the AFD model's start-up log line."""
-    found: dict[str, dict[str, int]] = {}
-    for line in log_text.splitlines():
-        match = _PARAM_LINE.match(line)
-        if match:
-            found[match.group("role")] = json.loads(match.group("groups"))
-    return found
+    return {role: groups for role, (_, groups) in model_lines(log_text).items()}
+
+
+@dataclass
+class Compared:
+    """One AFD deployment and plain vLLM on the same workload."""
+
+    afd: list[Completion]
+    plain: list[Completion]
+    log: str
+    metrics: dict
+
+
+def afd_vs_plain(
+    spec: DeploymentSpec,
+    texts: list[str],
+    plain: list[Completion] | None = None,
+    **start_kw: Any,
+) -> Compared:
+    """Start AFD with ``spec``, run the workload, read its /metrics, stop it,
+    then run the same workload on plain vLLM with the same settings (unless
+    ``plain`` already holds those outputs). Comparing is the caller's."""
+    afd, log = start(spec, **start_kw)
+    try:
+        afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
+        metrics = settled_metrics(afd.api_url)
+    finally:
+        afd.stop()
+    if plain is None:
+        plain = plain_outputs(spec, texts)
+    return Compared(afd_out, plain, log.getvalue(), metrics)
 
 
 def settled_metrics(url: str, timeout: float = 15.0) -> dict:

@@ -31,8 +31,6 @@ from harness import (
     start,
 )
 
-from vllm_afd.models.ownership import LayerLayout
-
 pytestmark = pytest.mark.e2e
 
 ATTENTION_ONLY = ("embed_tokens", "lm_head", "norms", "attention")
@@ -75,10 +73,8 @@ def test_gate_on_attention_exact_and_ffn_holds_experts_only(tiny_models, arch):
     assert all(ffn[group] == 0 for group in ATTENTION_ONLY)
 
     cfg = _config(tiny_models[arch])
-    layout = LayerLayout(cfg["num_hidden_layers"], cfg["first_k_dense_replace"])
-    per_token = len(layout.moe_layers) * (
-        cfg["hidden_size"] * 4 + cfg["num_experts_per_tok"] * 8
-    )
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    per_token = moe_layers * (cfg["hidden_size"] * 4 + cfg["num_experts_per_tok"] * 8)
     tokens = ffn_metrics[("afd_ffn_tokens", "ffn", "0")]
     assert ffn_metrics[("afd_a2f_bytes", "ffn", "0")] == tokens * per_token
 
@@ -107,7 +103,7 @@ def test_gate_on_attention_compiled_bf16_exact(tiny_models):
     assert_same_outputs(afd_out, plain_out, atol=1e-2)
     # F2A: shared | routed outputs, 2 H bf16 values per token and MoE layer.
     cfg = _config(tiny_models["deepseek_v3"])
-    layout = LayerLayout(cfg["num_hidden_layers"], cfg["first_k_dense_replace"])
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     tokens = ffn_metrics[("afd_ffn_tokens", "ffn", "0")]
-    per_token = len(layout.moe_layers) * 2 * cfg["hidden_size"] * 2
+    per_token = moe_layers * 2 * cfg["hidden_size"] * 2
     assert ffn_metrics[("afd_f2a_bytes", "ffn", "0")] == tokens * per_token

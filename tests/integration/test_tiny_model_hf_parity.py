@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_afd.models.tiny_checkpoint import TINY_ARCHS, write_tiny_checkpoint
+from vllm_afd.models.tiny_checkpoint import DEEPSEEK_ARCHS, write_tiny_checkpoint
 
 PROMPTS = (
     "The capital of France is",
@@ -101,7 +101,7 @@ def _vllm_greedy(model_dir: Path, tmp_path: Path) -> dict[str, list]:
     or importlib.util.find_spec("transformers") is None,
     reason="needs vLLM and transformers",
 )
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", DEEPSEEK_ARCHS)
 def test_tiny_model_greedy_matches_hf_token_for_token(
     tmp_path: Path, arch: str
 ) -> None:

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 import vllm_afd  # noqa: E402
-from vllm_afd.compat.engine_config import AFD_MODEL_CLASSES  # noqa: E402
+from vllm_afd.compat.engine_config import afd_model_classes  # noqa: E402
 from vllm_afd.compat.workers import (  # noqa: E402
     AFD_CPU_ATTENTION_WORKER,
     AFD_CPU_FFN_WORKER,
@@ -135,7 +135,7 @@ def test_create_engine_config_auto_worker_maps_to_afd_cpu_worker_of_role(
 ) -> None:
     config = _engine_args(checkpoint, {"role": role}).create_engine_config()
     assert config.parallel_config.worker_cls == worker
-    assert config.model_config.model_class_overrides == AFD_MODEL_CLASSES
+    assert config.model_config.model_class_overrides == afd_model_classes()
     # The normalised afd config travels to the workers as plain values.
     afd = config.additional_config["afd"]
     assert type(afd) is dict
@@ -152,7 +152,7 @@ def test_create_engine_config_afd_merges_user_model_overrides(
         checkpoint, {"role": "attention"}, model_class_overrides=dict(user)
     )
     config = args.create_engine_config()
-    assert config.model_config.model_class_overrides == {**AFD_MODEL_CLASSES, **user}
+    assert config.model_config.model_class_overrides == {**afd_model_classes(), **user}
 
 
 @pytest.mark.parametrize(

@@ -300,20 +300,46 @@ def test_run_requests_caps_concurrency_and_keeps_order():
     assert run.output_tokens == 16
 
 
-def test_model_facts_reads_layers_and_bytes_per_token(tmp_path):
-    cfg = {
-        "num_hidden_layers": 4,
+def _split(remote, top_k=2):
+    return {
+        "num_layers": 4,
         "hidden_size": 128,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "torch_dtype": "bfloat16",
+        "remote_layers": remote,
+        "top_k": top_k,
     }
+
+
+def test_model_facts_takes_layers_from_the_split_and_dtype_from_config(tmp_path):
+    cfg = {"num_hidden_layers": 4, "hidden_size": 128, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    facts = model_facts(str(tmp_path), "x", ["--dtype", "float32"], False)
+    facts = model_facts(
+        str(tmp_path), "x", ["--dtype", "float32"], False, _split([0, 1, 2, 3])
+    )
     assert facts["remote_layers"] == [0, 1, 2, 3]
     assert facts["a2f_bytes_per_token_layer"] == 512
-    gated = model_facts(str(tmp_path), "x", [], True)
+    gated = model_facts(str(tmp_path), "x", [], True, _split([1, 2, 3], top_k=2))
     assert gated["remote_layers"] == [1, 2, 3] and gated["dtype"] == "bfloat16"
     assert gated["a2f_bytes_per_token_layer"] == 128 * 2 + 2 * 8
+
+
+def test_model_facts_without_split_leaves_remote_layers_out(tmp_path):
+    cfg = {"num_hidden_layers": 4, "hidden_size": 64, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    facts = model_facts(str(tmp_path), "x", [], False)
+    assert "remote_layers" not in facts and facts["num_hidden_layers"] == 4
+    assert facts["a2f_bytes_per_token_layer"] == 64 * 4
+
+
+def test_log_tail_reads_the_attention_roles_split_line():
+    from vllm_afd.cli.bench import _LogTail
+
+    tail = _LogTail(None)
+    tail.write(
+        '[ffn] AFD ffn model: split {"remote_layers": [9]}; parameter '
+        'bytes by group {"gate": 1}\n'
+    )
+    tail.write(
+        '[attention] INFO AFD attention model: split {"remote_layers": '
+        '[0, 1]}; parameter bytes by group {"gate": 0}\n'
+    )
+    assert tail.split == {"remote_layers": [0, 1]}

@@ -1,117 +1,146 @@
-"""Unit tests for checkpoint weight ownership (vllm_afd.models.ownership)."""
+"""Unit tests for checkpoint weight ownership (vllm_afd.models.ownership).
+
+One table per family: the prefixes the role split records while vLLM builds
+that family's tiny model (3 layers: layer 0 dense where the family has dense
+layers), and checkpoint names as the family's published checkpoints spell
+them, with their owner for each gate placement.
+"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from vllm_afd.config import AFDRole
-from vllm_afd.models.ownership import LayerLayout, weight_owner
+from vllm_afd.models.ownership import SplitPrefixes, weight_owner
+from vllm_afd.roles import AFDRole
 
 A, F = AFDRole.ATTENTION, AFDRole.FFN
 
-# Three decoder layers: layer 0 dense, layers 1 and 2 MoE; layer 3 is MTP.
-LAYOUT = LayerLayout(num_layers=3, first_k_dense_replace=1)
 
-# name -> (owner with the gate on FFN, owner with the gate on attention)
-OWNERS = {
+def _prefixes(block: str, dense: bool) -> SplitPrefixes:
+    moe = (1, 2) if dense else (0, 1, 2)
+    blocks = tuple(f"model.layers.{i}.{block}" for i in moe)
+    return SplitPrefixes(
+        moe_blocks=blocks,
+        gates=tuple(f"{b}.gate" for b in blocks),
+        dense_mlps=("model.layers.0.mlp",) if dense else (),
+        routed_experts=tuple(f"{b}.experts" for b in blocks),
+    )
+
+
+_COMMON = {
     "model.embed_tokens.weight": (A, A),
     "model.norm.weight": (A, A),
     "lm_head.weight": (A, A),
-    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": (A, A),
-    "model.layers.2.self_attn.q_proj.weight": (A, A),
     "model.layers.1.input_layernorm.weight": (A, A),
     "model.layers.1.post_attention_layernorm.weight": (A, A),
-    "model.layers.0.mlp.gate_proj.weight": (F, A),
-    "model.layers.0.mlp.down_proj.weight": (F, A),
-    "model.layers.2.mlp.gate.weight": (F, A),
-    "model.layers.2.mlp.gate.e_score_correction_bias": (F, A),
-    "model.layers.2.mlp.experts.3.up_proj.weight": (F, F),
-    "model.layers.1.mlp.experts.0.gate_proj.weight": (F, F),
-    "model.layers.2.mlp.shared_experts.down_proj.weight": (F, F),
-    # MTP module (layer index >= num_hidden_layers): attention's loader skips it.
-    "model.layers.3.mlp.experts.0.up_proj.weight": (A, A),
-    "model.layers.3.mlp.gate.weight": (A, A),
-    "model.layers.3.eh_proj.weight": (A, A),
-    "model.layers.3.enorm.weight": (A, A),
+}
+
+#: family -> (prefixes, {name: (owner, gate on FFN; owner, gate on attention)})
+TABLES = {
+    "deepseek": (
+        _prefixes("mlp", dense=True),
+        {
+            **_COMMON,
+            "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": (A, A),
+            "model.layers.2.self_attn.q_proj.weight": (A, A),
+            "model.layers.0.mlp.gate_proj.weight": (F, A),
+            "model.layers.0.mlp.down_proj.weight": (F, A),
+            "model.layers.2.mlp.gate.weight": (F, A),
+            "model.layers.2.mlp.gate.e_score_correction_bias": (F, A),
+            "model.layers.2.mlp.experts.3.up_proj.weight": (F, F),
+            "model.layers.1.mlp.experts.0.gate_proj.weight": (F, F),
+            "model.layers.2.mlp.shared_experts.down_proj.weight": (F, F),
+            # DeepSeek-V3's MTP layer: vLLM builds no layer 3 here; the
+            # attention role's native loader skips it.
+            "model.layers.3.mlp.experts.0.up_proj.weight": (A, A),
+            "model.layers.3.mlp.gate.weight": (A, A),
+            "model.layers.3.eh_proj.weight": (A, A),
+        },
+    ),
+    "qwen3_moe": (
+        _prefixes("mlp", dense=True),
+        {
+            **_COMMON,
+            "model.layers.1.self_attn.q_norm.weight": (A, A),
+            "model.layers.1.self_attn.qkv_proj.weight": (A, A),
+            "model.layers.0.mlp.up_proj.weight": (F, A),
+            "model.layers.1.mlp.gate.weight": (F, A),
+            "model.layers.1.mlp.experts.7.down_proj.weight": (F, F),
+        },
+    ),
+    "qwen2_moe": (
+        _prefixes("mlp", dense=True),
+        {
+            **_COMMON,
+            "model.layers.1.self_attn.q_proj.bias": (A, A),
+            "model.layers.0.mlp.gate_proj.weight": (F, A),
+            "model.layers.2.mlp.gate.weight": (F, A),
+            "model.layers.2.mlp.experts.0.gate_proj.weight": (F, F),
+            "model.layers.2.mlp.shared_expert.up_proj.weight": (F, F),
+            # the shared expert's own sigmoid gate is not the router gate
+            "model.layers.2.mlp.shared_expert_gate.weight": (F, F),
+        },
+    ),
+    "mixtral": (
+        _prefixes("block_sparse_moe", dense=False),
+        {
+            **_COMMON,
+            "model.layers.0.self_attn.o_proj.weight": (A, A),
+            "model.layers.0.block_sparse_moe.gate.weight": (F, A),
+            "model.layers.0.block_sparse_moe.experts.5.w1.weight": (F, F),
+            "model.layers.2.block_sparse_moe.experts.0.w2.weight": (F, F),
+        },
+    ),
+    "glm4_moe": (
+        _prefixes("mlp", dense=True),
+        {
+            **_COMMON,
+            "model.layers.0.self_attn.k_norm.weight": (A, A),
+            "model.layers.0.mlp.down_proj.weight": (F, A),
+            "model.layers.1.mlp.gate.weight": (F, A),
+            "model.layers.1.mlp.gate.e_score_correction_bias": (F, A),
+            "model.layers.1.mlp.experts.15.up_proj.weight": (F, F),
+            "model.layers.1.mlp.shared_experts.gate_proj.weight": (F, F),
+        },
+    ),
 }
 
 
 @pytest.mark.parametrize(
-    ("name", "gate_on_attention", "owner"),
+    ("family", "name", "gate_on_attention", "owner"),
     [
-        pytest.param(name, gate, owners[gate], id=f"{name}-gate_on_attention={gate}")
-        for name, owners in OWNERS.items()
+        pytest.param(family, name, gate, owners[gate], id=f"{family}-{name}-{gate}")
+        for family, (_, table) in TABLES.items()
+        for name, owners in table.items()
         for gate in (False, True)
     ],
 )
-def test_weight_owner_matches_table(
-    name: str, gate_on_attention: bool, owner: AFDRole
+def test_weight_owner_matches_family_table(
+    family: str, name: str, gate_on_attention: bool, owner: AFDRole
 ) -> None:
-    got = weight_owner(name, LAYOUT, compute_gate_on_attention=gate_on_attention)
+    prefixes = TABLES[family][0]
+    got = weight_owner(name, prefixes, compute_gate_on_attention=gate_on_attention)
     assert got is owner
 
 
-def test_weight_owner_mlp_name_prefix_is_not_matched_loosely() -> None:
-    # "mlp_foo" is not the "mlp." submodule; it stays with attention.
-    got = weight_owner(
-        "model.layers.1.mlp_extra.weight", LAYOUT, compute_gate_on_attention=False
-    )
-    assert got is A
-
-
-def test_weight_owner_dense_model_without_experts_sends_every_mlp_to_ffn() -> None:
-    layout = LayerLayout(num_layers=2, first_k_dense_replace=0, has_experts=False)
-    assert layout.moe_layers == ()
-    for layer in range(2):
-        name = f"model.layers.{layer}.mlp.up_proj.weight"
-        assert weight_owner(name, layout, compute_gate_on_attention=False) is F
-        assert weight_owner(name, layout, compute_gate_on_attention=True) is A
-
-
-def test_weight_owner_moe_layer_freq_2_treats_odd_layers_as_dense() -> None:
-    layout = LayerLayout(num_layers=6, first_k_dense_replace=1, moe_layer_freq=2)
-    dense_gate = "model.layers.3.mlp.gate_proj.weight"
-    router = "model.layers.4.mlp.gate.weight"
-    assert weight_owner(dense_gate, layout, compute_gate_on_attention=True) is A
-    assert weight_owner(router, layout, compute_gate_on_attention=True) is A
-    expert = "model.layers.4.mlp.experts.0.up_proj.weight"
-    assert weight_owner(expert, layout, compute_gate_on_attention=True) is F
-
-
 @pytest.mark.parametrize(
-    ("layout", "moe"),
+    "name",
     [
-        (LayerLayout(num_layers=3, first_k_dense_replace=1), (1, 2)),
-        (LayerLayout(num_layers=4, first_k_dense_replace=0), (0, 1, 2, 3)),
-        (LayerLayout(num_layers=6, first_k_dense_replace=1, moe_layer_freq=2), (2, 4)),
-        (LayerLayout(num_layers=7, first_k_dense_replace=3, moe_layer_freq=2), (4, 6)),
-        (LayerLayout(num_layers=4, first_k_dense_replace=4), ()),
-        (LayerLayout(num_layers=4, first_k_dense_replace=0, has_experts=False), ()),
+        "model.layers.1.mlp_extra.weight",  # "mlp_extra" is not "mlp"
+        "model.layers.0.mlpx.up_proj.weight",
+        "model.layers.10.mlp.experts.0.up_proj.weight",  # layer 10, not 1
     ],
 )
-def test_layer_layout_moe_layers_match_table(
-    layout: LayerLayout, moe: tuple[int, ...]
-) -> None:
-    assert layout.moe_layers == moe
-    assert layout.remote_layers(compute_gate_on_attention=True) == moe
-    assert layout.remote_layers(compute_gate_on_attention=False) == tuple(
-        range(layout.num_layers)
-    )
+def test_weight_owner_prefixes_match_whole_components_only(name: str) -> None:
+    prefixes = TABLES["deepseek"][0]
+    assert weight_owner(name, prefixes, compute_gate_on_attention=False) is A
 
 
-def test_layer_layout_from_hf_config_reads_fields_and_defaults() -> None:
-    full = SimpleNamespace(
-        num_hidden_layers=6,
-        first_k_dense_replace=1,
-        moe_layer_freq=2,
-        n_routed_experts=8,
+def test_weight_owner_gate_prefix_does_not_claim_gate_proj() -> None:
+    prefixes = SplitPrefixes(
+        moe_blocks=("model.layers.1.mlp",),
+        gates=("model.layers.1.mlp.gate",),
+        dense_mlps=(),
     )
-    assert LayerLayout.from_hf_config(full) == LayerLayout(
-        num_layers=6, first_k_dense_replace=1, moe_layer_freq=2, has_experts=True
-    )
-    bare = SimpleNamespace(num_hidden_layers=2, n_routed_experts=None)
-    assert LayerLayout.from_hf_config(bare) == LayerLayout(
-        num_layers=2, first_k_dense_replace=0, moe_layer_freq=1, has_experts=False
-    )
+    name = "model.layers.1.mlp.gate_proj.weight"  # inside the block, not the gate
+    assert weight_owner(name, prefixes, compute_gate_on_attention=True) is F

@@ -59,18 +59,33 @@ ORIGINAL_VICTIM = _victim
 
 def _declared_patches() -> list[Patch]:
     from vllm_afd.compat.engine_config import CREATE_ENGINE_CONFIG
-    from vllm_afd.models import deepseek
+    from vllm_afd.config import parse_afd_config
+    from vllm_afd.models import construction
+    from vllm_afd.models.families import FAMILIES
+    from vllm_afd.models.ffn_layers import SELECT_EXPERTS
+    from vllm_afd.models.moe_tail import ROUTED_SCALE
     from vllm_afd.worker.attention_side import GRAPH_CAPTURE, GRAPH_REPLAY
     from vllm_afd.worker.runner_swap import CPU_RUNNER
 
+    family_patches = {
+        patch.target: patch
+        for family in FAMILIES
+        for role in ("attention", "ffn")
+        for gate in (False, True)
+        for patch, _ in construction.patches_for(
+            parse_afd_config({"role": role, "compute_gate_on_attention": gate}),
+            family,
+            construction.Recorded(),
+        )
+    }
     return [
         CREATE_ENGINE_CONFIG,
         CPU_RUNNER,
         GRAPH_CAPTURE,
         GRAPH_REPLAY,
-        deepseek._MOE,
-        deepseek._MLP,
-        *deepseek._FFN_ABSENT,
+        SELECT_EXPERTS,
+        ROUTED_SCALE,
+        *family_patches.values(),
     ]
 
 

@@ -120,8 +120,7 @@ def test_forward_mode_follows_vllms_graph_mode(
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import ForwardContext, override_forward_context
 
-    from vllm_afd.models.deepseek import _forward_mode
-    from vllm_afd.models.exchange import current_exchange
+    from vllm_afd.models.exchange import current_exchange, forward_mode
 
     context = ForwardContext(
         no_compile_layers={},
@@ -131,4 +130,4 @@ def test_forward_mode_follows_vllms_graph_mode(
     )
     current_exchange().capturing_graphs = capturing
     with override_forward_context(context):
-        assert _forward_mode(torch.zeros(4, dtype=torch.long)) is expected
+        assert forward_mode(torch.zeros(4, dtype=torch.long)) is expected

@@ -161,3 +161,51 @@ def test_write_bad_argument_raises_naming_field(
 ) -> None:
     with pytest.raises(ValueError, match=field):
         write_tiny_checkpoint(tmp_path / "x", **kwargs)
+
+
+#: family -> (architecture, a router weight of layer 1, a layer-0 weight)
+HF_LAYOUTS = {
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.mlp.gate_proj.weight",  # mlp_only_layers=[0]: dense
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "model.layers.1.mlp.shared_expert_gate.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "model.layers.0.block_sparse_moe.experts.7.w2.weight",  # all MoE
+    ),
+    "glm4_moe": (
+        "Glm4MoeForCausalLM",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.0.mlp.down_proj.weight",  # first_k_dense_replace=1
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_LAYOUTS))
+def test_write_hf_family_has_its_published_moe_layout(tmp_path: Path, arch: str):
+    out = write_tiny_checkpoint(tmp_path / arch, arch=arch, num_layers=2, seed=1)
+    architecture, router, layer0 = HF_LAYOUTS[arch]
+    cfg = _config(out)
+    assert cfg["architectures"] == [architecture]
+    assert cfg["bos_token_id"] == 0 and cfg["num_hidden_layers"] == 2
+    names = _tensor_names(out)
+    assert {router, layer0} <= names
+    # one tensor per routed expert, as the published checkpoints store them
+    assert any(".experts.0." in n and n.startswith("model.layers.1.") for n in names)
+
+
+def test_write_hf_family_weights_are_drawn_with_the_scales(tmp_path: Path) -> None:
+    out = write_tiny_checkpoint(tmp_path / "q", arch="qwen3_moe", num_layers=2)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        norm = f.get_tensor("model.layers.0.input_layernorm.weight")
+        embed = f.get_tensor("model.embed_tokens.weight")
+    # norms near one (not all ones), embeddings of unit variance
+    assert 0.5 < float(norm.mean()) < 1.5 and float(norm.std()) > 0.01
+    assert 0.8 < float(embed.std()) < 1.2

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from vllm_afd.config import AFDRole
 from vllm_afd.errors import AFDConfigError
+from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology, endpoint_rank
 
 VALID = [(a, f) for a in range(1, 33) for f in range(1, a + 1) if a % f == 0]

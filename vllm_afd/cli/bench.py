@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import IO, Any
 
 from vllm_afd.cli import bench_report as report_mod
@@ -50,6 +49,7 @@ from vllm_afd.cli.launch import (
     add_device_flags,
 )
 from vllm_afd.config import DEFAULT_PORT
+from vllm_afd.models.layout import parse_model_line
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,32 +115,44 @@ def _dtype(vllm_args: list[str], config: dict[str, Any]) -> str | None:
 
 
 def model_facts(
-    model_dir: str | None, served: str, vllm_args: list[str], gate_on_attention: bool
+    model_dir: str | None,
+    served: str,
+    vllm_args: list[str],
+    gate_on_attention: bool,
+    split: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Layers, width and dtype from ``config.json`` (empty when not local)."""
-    from vllm_afd.models.ownership import LayerLayout
+    """Layers, width and dtype of the served model.
 
+    The layers that cross the connector come from ``split``, the attention
+    role's own account of what vLLM built (its start-up log line); width and
+    dtype from ``config.json`` where the model is local. Unknown facts are
+    left out.
+    """
     facts: dict[str, Any] = {"name": model_dir or served}
     path = Path(model_dir or served) / "config.json"
-    if not path.is_file():
-        return facts
-    cfg = json.loads(path.read_text())
-    layout = LayerLayout.from_hf_config(SimpleNamespace(**cfg))
-    remote = layout.remote_layers(gate_on_attention)
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    cfg = {**cfg.get("text_config", {}), **cfg}
     dtype = _dtype(vllm_args, cfg)
     size = report_mod.DTYPE_BYTES.get(str(dtype))
-    per_token = None if size is None else cfg["hidden_size"] * size
+    hidden = split["hidden_size"] if split else cfg.get("hidden_size")
+    per_token = None if size is None or hidden is None else hidden * size
     if per_token is not None and gate_on_attention:
-        per_token += cfg.get("num_experts_per_tok", 0) * 8  # fp32 weights, i32 ids
+        top_k = split["top_k"] if split else cfg.get("num_experts_per_tok", 0)
+        per_token += top_k * 8  # fp32 weights, i32 ids
     facts.update(
-        num_hidden_layers=layout.num_layers,
-        hidden_size=cfg["hidden_size"],
-        remote_layers=list(remote),
-        num_remote_layers=len(remote),
+        hidden_size=hidden,
         dtype=dtype,
         dtype_bytes=size,
         a2f_bytes_per_token_layer=per_token,
     )
+    if split is not None:
+        facts.update(
+            num_hidden_layers=split["num_layers"],
+            remote_layers=list(split["remote_layers"]),
+            num_remote_layers=len(split["remote_layers"]),
+        )
+    elif "num_hidden_layers" in cfg:
+        facts["num_hidden_layers"] = cfg["num_hidden_layers"]
     return facts
 
 
@@ -156,9 +168,15 @@ class _LogTail:
         self.lines: collections.deque[str] = collections.deque(maxlen=60)
         self.also, self.owned = also, owned
         self._lock = threading.Lock()
+        #: the attention role's model split, from its start-up line
+        self.split: dict[str, Any] | None = None
 
     def write(self, text: str) -> None:
         self.lines.append(text)
+        if self.split is None and "AFD attention model: split" in text:
+            parsed = parse_model_line(text)
+            if parsed is not None:
+                self.split = parsed[1]
         with self._lock:
             if self.also is not None:
                 self.also.write(text)
@@ -352,7 +370,9 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: _LogTail) -> di
                 )
     if baseline is None:
         _note("no baseline (--baseline-url not given): no side-by-side ratios")
-    facts = model_facts(args.model, served, vllm_args, args.gate_on_attention)
+    facts = model_facts(
+        args.model, served, vllm_args, args.gate_on_attention, log.split
+    )
     return report_mod.build_report(
         _config(args, vllm_args, ranks),
         facts,

@@ -41,6 +41,8 @@ DEMO_VLLM_ARGS = [
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
+
     p = sub.add_parser("demo", help="serve a tiny model with AFD and compare")
     p.add_argument(
         "--model-dir",
@@ -49,7 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"tiny model directory (default {DEFAULT_DIR}-<arch>)",
     )
     p.add_argument(
-        "--arch", choices=("deepseek_v2", "deepseek_v3"), default="deepseek_v2"
+        "--arch",
+        choices=TINY_ARCHS,
+        default="deepseek_v2",
+        help="model family of the tiny model (default deepseek_v2)",
     )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--afd-port", type=int, default=29650)

@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_parser(sub)
 
-    tiny = sub.add_parser("tiny-model", help="write a small random DeepSeek model")
+    tiny = sub.add_parser(
+        "tiny-model", help="write a small random-weight MoE model (any family)"
+    )
     tiny.add_argument("dir", help="output directory")
     tiny.add_argument("--arch", choices=TINY_ARCHS, default="deepseek_v2")
     tiny.add_argument("--layers", type=int, default=4, help="decoder layers")

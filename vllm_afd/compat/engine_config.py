@@ -7,8 +7,9 @@ the wrapper calls the original and returns; with it, the wrapper
 
 1. parses ``additional_config["afd"]`` (phase 1; config errors surface here),
 2. records whether ``worker_cls`` was ``"auto"``,
-3. maps the DeepSeek architectures to the role-split AFD model classes
-   through vLLM's ``model_class_overrides`` (merged with the user's),
+3. maps every supported architecture to its role-split AFD model class
+   (``vllm_afd.models.split``) through vLLM's ``model_class_overrides``
+   (merged with the user's),
 4. calls the original, then selects the AFD worker and checks the result
    against the ``VllmConfig`` (phase 2).
 """
@@ -45,11 +46,12 @@ CREATE_ENGINE_CONFIG = Patch(
     removal="when vLLM offers a config-validation / worker-selection hook",
 )
 
-#: native architecture -> role-split AFD model class
-AFD_MODEL_CLASSES: dict[str, str] = {
-    "DeepseekV2ForCausalLM": "vllm_afd.models.deepseek:AFDDeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM": "vllm_afd.models.deepseek:AFDDeepseekV3ForCausalLM",
-}
+
+def afd_model_classes() -> dict[str, str]:
+    """Native architecture -> qualified name of its role-split AFD class."""
+    from vllm_afd.models.families import SUPPORTED_ARCHS
+
+    return {arch: f"vllm_afd.models.split:AFD{arch}" for arch in SUPPORTED_ARCHS}
 
 
 def platform_default_worker() -> str:
@@ -81,7 +83,7 @@ def _wrap_create_engine_config(original: Any) -> Any:
         _enable_worker_metrics()
         worker_cls_was_auto = self.worker_cls == "auto"
         self.model_class_overrides = {
-            **AFD_MODEL_CLASSES,
+            **afd_model_classes(),
             **(self.model_class_overrides or {}),
         }
         config = original(self, *args, **kwargs)
@@ -153,12 +155,7 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
     Raises:
         AFDConfigError: naming the AFD key and the vLLM setting that clash.
     """
-    arch = config.model_config.architectures[0]
-    if arch not in AFD_MODEL_CLASSES:
-        raise AFDConfigError(
-            f"AFD does not support architecture {arch!r}; supported: "
-            f"{', '.join(sorted(AFD_MODEL_CLASSES))}"
-        )
+    check_architecture(config.model_config.architectures[0])
     parallel = config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise AFDConfigError(
@@ -176,6 +173,12 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
     )
     if config.speculative_config is not None:
         raise AFDConfigError("AFD does not support speculative decoding yet")
+    if getattr(parallel, "use_sequence_parallel_moe", False):
+        raise AFDConfigError(
+            "AFD does not support sequence-parallel MoE (the MoE block gathers "
+            "its tokens across TP ranks around the runner); turn off "
+            "--use-sequence-parallel-moe"
+        )
     if parallel.use_ubatching:
         raise AFDConfigError(
             "AFD does not use vLLM's micro-batching (--enable-dbo, "
@@ -192,6 +195,21 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
         )
 
         check_graph_mode(config.compilation_config, is_breakable_cudagraph_enabled())
+
+
+def check_architecture(arch: str) -> None:
+    """AFD serves the architectures of :mod:`vllm_afd.models.families`.
+
+    Raises:
+        AFDConfigError: naming the architecture and the supported ones.
+    """
+    from vllm_afd.models.families import SUPPORTED_ARCHS, family_of
+
+    if family_of(arch) is None:
+        raise AFDConfigError(
+            f"AFD does not support architecture {arch!r}: no family record in "
+            f"vllm_afd.models.families; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
 
 
 def check_graph_mode(compilation: Any, breakable: bool) -> None:

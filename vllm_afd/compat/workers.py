@@ -17,8 +17,8 @@ qualified name (vllm/v1/worker/worker_base.py @ 0.32.0). The rules:
 
 from __future__ import annotations
 
-from vllm_afd.config import AFDRole
 from vllm_afd.errors import AFDCompatError
+from vllm_afd.roles import AFDRole
 
 CPU_DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 CUDA_DEFAULT_WORKER = "vllm.v1.worker.gpu_worker.Worker"

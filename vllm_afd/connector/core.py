@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_afd.config import AFDRole
 from vllm_afd.connector.control import ControlPlane
 from vllm_afd.connector.data import DataPlane
 from vllm_afd.connector.payloads import (
@@ -42,6 +41,7 @@ from vllm_afd.errors import (
     AFDProtocolError,
     AFDTimeoutError,
 )
+from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
 
 ATT, FFN = AFDRole.ATTENTION, AFDRole.FFN

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_afd.config import AFDRole
 from vllm_afd.connector.control import ControlPlane, Rendezvous
 from vllm_afd.connector.data import DataPlane, Work
 from vllm_afd.connector.protocol import Fingerprint, StepPlan
@@ -31,6 +30,7 @@ from vllm_afd.errors import (
     AFDProtocolError,
     AFDTimeoutError,
 )
+from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
 
 if TYPE_CHECKING:

@@ -16,12 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from vllm_afd.config import AFDRole
 from vllm_afd.connector import p2p_rendezvous, protocol
 from vllm_afd.connector.control import ControlPlane, Rendezvous
 from vllm_afd.connector.p2p_wire import Channel
 from vllm_afd.connector.protocol import Fingerprint, MsgType, StepPlan
 from vllm_afd.errors import AFDPeerError, AFDProtocolError, AFDTimeoutError
+from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
 
 

@@ -25,7 +25,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from vllm_afd.config import AFDRole
 from vllm_afd.connector import protocol
 from vllm_afd.connector.p2p_wire import RENDEZVOUS_HINT, Channel, connect, listen
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint, MsgType
@@ -35,6 +34,7 @@ from vllm_afd.errors import (
     AFDProtocolError,
     AFDTimeoutError,
 )
+from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
 
 

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Frames larger than this are not control messages: the peer speaks another
 # protocol (or is not a vllm-afd endpoint at all).
@@ -215,6 +215,7 @@ class Fingerprint:
         moe_output_parts: F2A columns of an MoE layer, in units of H: 1 (the
             MoE output) or 2 (shared then routed expert outputs, which the
             attention role adds; see ``vllm_afd.models.moe_tail``).
+        remote_layers: layers whose MLP/MoE the FFN role serves, in order.
     """
 
     arch: str
@@ -229,10 +230,12 @@ class Fingerprint:
     compute_gate_on_attention: bool
     connector: str
     moe_output_parts: int = 1
+    remote_layers: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["moe_layers"] = list(self.moe_layers)
+        d["remote_layers"] = list(self.remote_layers)
         return d
 
     @classmethod
@@ -243,6 +246,7 @@ class Fingerprint:
             raise AFDProtocolError(f"fingerprint lacks fields {missing}")
         kw = {n: d[n] for n in names}
         kw["moe_layers"] = tuple(kw["moe_layers"])
+        kw["remote_layers"] = tuple(kw["remote_layers"])
         return cls(**kw)
 
     def diff(self, other: Fingerprint) -> list[str]:

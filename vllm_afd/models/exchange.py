@@ -133,6 +133,34 @@ class AttentionExchange:
         return out
 
 
+def forward_mode(positions: torch.Tensor) -> ExecMode:
+    """How the FFN must serve the forward that is starting.
+
+    CAPTURE when CUDA graphs are being recorded around the exchanges: a FULL
+    graph (the stream is capturing now), or the piecewise graphs vLLM records
+    inside this forward. REPLAY when this forward replays piecewise graphs,
+    which hold the exchanges as they hold every op between two attention
+    layers (a FULL replay never runs the forward; the runner announces it).
+    WARMUP for profile, compile and idle (dummy) forwards, which carry no
+    attention metadata and may compile on the way, so the FFN waits longer,
+    and for the eager warm-up runs the runner makes while it records graphs
+    (dummy batches too; a profiler waiting for served steps skips them).
+    EAGER otherwise.
+    """
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context
+
+    if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        return ExecMode.CAPTURE
+    context = get_forward_context()
+    if context.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE:
+        capturing = current_exchange().capturing_graphs
+        return ExecMode.CAPTURE if capturing else ExecMode.REPLAY
+    if context.attn_metadata is None or current_exchange().capturing_graphs:
+        return ExecMode.WARMUP
+    return ExecMode.EAGER
+
+
 _current: AttentionExchange | None = None
 
 

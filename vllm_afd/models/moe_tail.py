@@ -15,19 +15,29 @@ the FFN role did the add and shipped ``out``, the attention role would read it
 rounded, and greedy output could differ in near-ties. So when the model is
 compiled in bf16/fp16 (and the MoE output is not all-reduced, tensor-parallel
 size 1), the FFN ships both outputs, ``[T, 2H]`` = shared | routed, and the
-attention role runs the same scale and add in its own compiled graph.
+attention role runs the same scale and add in its own compiled graph. That
+needs shared experts in every MoE layer (``ModelSplit.moe_output_parts``).
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.errors import AFDCompatError
 
 _CAPTURED = "_maybe_apply_routed_scale_to_output"
+ROUTED_SCALE = Patch(
+    target="vllm.model_executor.layers.fused_moe.runner.moe_runner:"
+    f"MoERunner.{_CAPTURED}",
+    expected_params=("self", "shared_output", "fused_output"),
+    reason="FFN role, compiled 16-bit: keep each MoE layer's shared and routed "
+    "outputs apart (one instance attribute per layer) so attention adds them",
+    removal="when vLLM's MoE runner can return its outputs unsummed",
+)
 
 
 def closing_add_fused(vllm_config: Any) -> bool:
@@ -39,22 +49,6 @@ def closing_add_fused(vllm_config: Any) -> bool:
     sixteen_bit = vllm_config.model_config.dtype in (torch.bfloat16, torch.float16)
     tp = vllm_config.parallel_config.tensor_parallel_size
     return compiled and sixteen_bit and tp == 1
-
-
-def moe_output_parts(vllm_config: Any) -> int:
-    """F2A columns of an MoE layer in units of H: 2 when the attention role
-    must do the closing add itself (see the module docstring), else 1. The
-    parts need shared experts."""
-    shared = getattr(vllm_config.model_config.hf_config, "n_shared_experts", None)
-    return 2 if closing_add_fused(vllm_config) and shared else 1
-
-
-def routed_scale(config: Any, apply_routed_scale_to_output: bool) -> float:
-    """The factor vLLM's MoE runner applies to the routed output (else the
-    router already applied it to the top-k weights)."""
-    if not apply_routed_scale_to_output:
-        return 1.0
-    return float(getattr(config, "routed_scaling_factor", 1.0))
 
 
 def finish_moe_output(
@@ -84,18 +78,16 @@ class MoEOutputParts:
     and dropped. :meth:`forward` traces under ``torch.compile`` (the hook is a
     plain attribute side effect), so the FFN compiles the layer as plain
     vLLM compiles it, up to the closing add.
+
+    Args:
+        layer: runs the layer on ``hidden [T, H]`` (the MoE block, or the
+            runner with shipped routing); it calls ``runner``.
+        runner: the layer's native MoE runner.
     """
 
-    def __init__(self, mlp: Any) -> None:
-        runner = mlp.experts
-        native = getattr(type(runner), _CAPTURED, None)
-        params = list(inspect.signature(native).parameters) if native else []
-        if params != ["self", "shared_output", "fused_output"]:
-            raise AFDCompatError(
-                f"{type(runner).__qualname__}.{_CAPTURED} is not the vLLM 0.32 "
-                f"method AFD expects (parameters {params}); install vLLM 0.32.0"
-            )
-        self.mlp = mlp
+    def __init__(self, layer: Callable[[torch.Tensor], torch.Tensor], runner: Any):
+        check_patch(ROUTED_SCALE)
+        self.layer = layer
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
         setattr(runner, _CAPTURED, self._keep)
 
@@ -109,7 +101,7 @@ class MoEOutputParts:
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer on ``hidden [T, H]``: ``[T, 2H]`` = shared | routed."""
-        self.mlp(hidden)
+        self.layer(hidden)
         if self._parts is None:
             raise AFDCompatError("the MoE runner did not produce its output parts")
         shared, routed = self._parts

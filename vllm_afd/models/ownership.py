@@ -1,78 +1,60 @@
 """Which role owns a checkpoint weight: one pure function, table-tested.
 
-DeepSeek-V2/V3 checkpoint names (``model.layers.{i}.…``)::
+Decided over the module prefixes the role split recorded while vLLM built the
+model (:class:`SplitPrefixes`), never over a family's config keys::
 
-    weight                                 gate on FFN     gate on attention
-    embed_tokens, norm, lm_head            attention       attention
-    layers.i.self_attn.*, *_layernorm      attention       attention
-    layers.i.mlp.*      (dense layer)      ffn             attention
-    layers.i.mlp.gate.* (MoE layer)        ffn             attention
-    layers.i.mlp.experts.*, shared_experts ffn             ffn
+    weight under                      gate on FFN     gate on attention
+    a dense MLP  (layers.i.mlp)       ffn             attention
+    an MoE block's gate               ffn             attention
+    the rest of an MoE block          ffn             ffn
+      (routed and shared experts, the shared expert's own gate)
+    anything else                     attention       attention
+      (embeddings, attention, norms, lm_head, layers vLLM does not build,
+       e.g. DeepSeek-V3's MTP module, which attention's native loader skips)
 
-Layers at or beyond ``num_hidden_layers`` (DeepSeek-V3's MTP module) go to
-attention, whose native loader skips them.
+Prefixes match whole dotted components: ``mlp.gate`` owns ``mlp.gate.weight``
+but not ``mlp.gate_proj.weight`` or ``mlp.shared_expert_gate.weight``.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any
 
-from vllm_afd.config import AFDRole
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+from vllm_afd.roles import AFDRole
 
 
 @dataclass(frozen=True)
-class LayerLayout:
-    """The dense/MoE pattern of a DeepSeek decoder stack."""
+class SplitPrefixes:
+    """Module prefixes of the FFN-side parts, as vLLM built them.
 
-    num_layers: int
-    first_k_dense_replace: int
-    moe_layer_freq: int = 1
-    has_experts: bool = True
+    Attributes:
+        moe_blocks: the MoE block of each MoE layer (``model.layers.3.mlp``,
+            ``model.layers.3.block_sparse_moe``).
+        gates: each MoE block's router gate (``model.layers.3.mlp.gate``).
+        dense_mlps: each dense MLP layer (``model.layers.0.mlp``).
+        routed_experts: each MoE block's runner (``model.layers.3.mlp.experts``),
+            inside its block; not needed for ownership, named for the bytes
+            per part.
+    """
 
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> LayerLayout:
-        return cls(
-            num_layers=hf_config.num_hidden_layers,
-            first_k_dense_replace=getattr(hf_config, "first_k_dense_replace", 0),
-            moe_layer_freq=getattr(hf_config, "moe_layer_freq", 1),
-            has_experts=getattr(hf_config, "n_routed_experts", None) is not None,
-        )
+    moe_blocks: tuple[str, ...]
+    gates: tuple[str, ...]
+    dense_mlps: tuple[str, ...]
+    routed_experts: tuple[str, ...] = ()
 
-    def is_moe(self, layer_idx: int) -> bool:
-        """Same rule as vLLM's ``DeepseekV2DecoderLayer``."""
-        return (
-            self.has_experts
-            and layer_idx >= self.first_k_dense_replace
-            and layer_idx % self.moe_layer_freq == 0
-        )
 
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if self.is_moe(i))
-
-    def remote_layers(self, compute_gate_on_attention: bool) -> tuple[int, ...]:
-        """Layers whose MLP/MoE runs on the FFN role, in forward order."""
-        if compute_gate_on_attention:
-            return self.moe_layers
-        return tuple(range(self.num_layers))
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def weight_owner(
-    name: str, layout: LayerLayout, *, compute_gate_on_attention: bool
+    name: str, prefixes: SplitPrefixes, *, compute_gate_on_attention: bool
 ) -> AFDRole:
     """The role that loads checkpoint weight ``name``."""
-    match = _LAYER.match(name)
-    if match is None:
-        return AFDRole.ATTENTION
-    layer_idx, rest = int(match.group(1)), match.group(2)
-    if layer_idx >= layout.num_layers or not rest.startswith("mlp."):
-        return AFDRole.ATTENTION
-    if not layout.is_moe(layer_idx):
+    if _under(name, prefixes.dense_mlps):
         return AFDRole.ATTENTION if compute_gate_on_attention else AFDRole.FFN
-    if rest.startswith("mlp.gate.") and compute_gate_on_attention:
-        return AFDRole.ATTENTION
-    return AFDRole.FFN
+    if _under(name, prefixes.gates):
+        return AFDRole.ATTENTION if compute_gate_on_attention else AFDRole.FFN
+    if _under(name, prefixes.moe_blocks):
+        return AFDRole.FFN
+    return AFDRole.ATTENTION

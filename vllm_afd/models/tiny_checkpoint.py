@@ -1,10 +1,13 @@
-"""Write a tiny random-weight DeepSeek checkpoint, tokenizer included, made locally.
+"""Write a tiny random-weight MoE checkpoint, tokenizer included, made locally.
 
-The checkpoint uses the layout of the published DeepSeek-V2/V3 Hugging Face
-checkpoints (one tensor per routed expert, ``mlp.gate.e_score_correction_bias`` for
-V3), so vLLM's ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` and the native
-``transformers`` classes load it unchanged. Nothing is downloaded: the weights come
-from a seeded generator and the tokenizer is a byte-level BPE trained on a small
+Families: DeepSeek-V2/V3 (written here, tensor by tensor) and Qwen3-MoE,
+Qwen2-MoE, Mixtral and GLM-4.5 (config and layout from transformers' own
+classes, :mod:`vllm_afd.models.tiny_hf`). The DeepSeek checkpoint uses the
+layout of the published DeepSeek-V2/V3 Hugging Face checkpoints (one tensor
+per routed expert, ``mlp.gate.e_score_correction_bias`` for V3), so vLLM's
+``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` and the native
+``transformers`` classes load it unchanged. Nothing is downloaded: the weights
+come from a seeded generator and the tokenizer is a byte-level BPE trained on a small
 built-in corpus.
 
 Weights are scaled so that every sublayer adds an O(1) update to an O(1) residual
@@ -25,7 +28,10 @@ from typing import Any
 
 import torch
 
-TINY_ARCHS = ("deepseek_v2", "deepseek_v3")
+from vllm_afd.models.tiny_hf import HF_ARCHS, hf_config, write_hf_weights
+
+DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
+TINY_ARCHS = (*DEEPSEEK_ARCHS, *HF_ARCHS)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -110,17 +116,21 @@ def write_tiny_checkpoint(
     gpu_dims: bool = False,
     hidden_size: int | None = None,
 ) -> Path:
-    """Write a random-weight DeepSeek checkpoint with a local tokenizer.
+    """Write a random-weight MoE checkpoint of family ``arch`` with a local
+    tokenizer.
 
     Args:
         out_dir: Directory to write; created if missing, existing files replaced.
         arch: One of ``TINY_ARCHS``. ``deepseek_v2`` uses softmax greedy top-k;
             ``deepseek_v3`` uses sigmoid scores, a score-correction bias, grouped
-            top-k and a routed scaling factor.
-        num_layers: Decoder layers; layer 0 is dense, the rest are MoE (>= 2).
+            top-k and a routed scaling factor; the others are described in
+            :mod:`vllm_afd.models.tiny_hf`.
+        num_layers: Decoder layers; layer 0 is dense (Mixtral: MoE too), the
+            rest are MoE (>= 2).
         seed: Seed of the weights. Same arguments give byte-identical files.
         dtype: Stored weight dtype: ``float32``, ``bfloat16`` or ``float16``.
-        gpu_dims: Use 128-wide nope/value heads, as vLLM's GPU MLA backends need.
+        gpu_dims: Use 128-wide nope/value heads, as vLLM's GPU MLA backends need
+            (DeepSeek only; the other families have no MLA).
         hidden_size: Model width (default 128); a multiple of the head count.
 
     Returns:
@@ -134,6 +144,19 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
 
     vocab_size = _write_tokenizer(out)
+    if arch in HF_ARCHS:
+        config_obj = hf_config(
+            arch,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size or _DEFAULT_HIDDEN_SIZE,
+            dtype=dtype,
+            special_ids=_special_ids(),
+            max_positions=_MAX_POSITIONS,
+        )
+        write_hf_weights(config_obj, out, draw, seed, _DTYPES[dtype])
+        _write_generation_config(out, _special_ids())
+        return out
     config = tiny_config(
         arch,
         num_layers=num_layers,
@@ -143,17 +166,29 @@ def write_tiny_checkpoint(
         hidden_size=hidden_size,
     )
     _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": config["bos_token_id"],
-            "eos_token_id": config["eos_token_id"],
-            "do_sample": False,
-        },
-    )
+    _write_generation_config(out, _special_ids())
     tensors = _random_weights(config, seed, _DTYPES[dtype])
     _save_safetensors(tensors, out / "model.safetensors")
     return out
+
+
+def _special_ids() -> dict[str, int]:
+    return {
+        "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+    }
+
+
+def _write_generation_config(out: Path, ids: dict[str, int]) -> None:
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["bos_token_id"],
+            "eos_token_id": ids["eos_token_id"],
+            "do_sample": False,
+        },
+    )
 
 
 def tiny_config(
@@ -165,8 +200,10 @@ def tiny_config(
     gpu_dims: bool = False,
     hidden_size: int | None = None,
 ) -> dict[str, Any]:
-    """Return ``config.json`` contents; arguments as in ``write_tiny_checkpoint``."""
+    """Return a DeepSeek ``config.json``; arguments as in ``write_tiny_checkpoint``."""
     _check_args(arch, num_layers, dtype, hidden_size)
+    if arch not in DEEPSEEK_ARCHS:
+        raise ValueError(f"tiny_config writes DeepSeek configs only, not {arch!r}")
     hidden = hidden_size or _DEFAULT_HIDDEN_SIZE
     head_dim = _GPU_HEAD_DIM if gpu_dims else _CPU_HEAD_DIM
     config: dict[str, Any] = {
@@ -270,7 +307,7 @@ def _random_weights(
     """
     specs = _weight_specs(config)
     return {
-        name: _draw(seed, name, shape, kind).to(dtype)
+        name: draw(seed, name, shape, kind).to(dtype)
         for name, (shape, kind) in specs.items()
     }
 
@@ -329,7 +366,9 @@ def _mlp_specs(
     }
 
 
-def _draw(seed: int, name: str, shape: tuple[int, ...], kind: str) -> torch.Tensor:
+def draw(seed: int, name: str, shape: tuple[int, ...], kind: str) -> torch.Tensor:
+    """Tensor ``name`` of kind embed|norm|bias|linear|router|lm_head, drawn from
+    a generator seeded by ``(seed, name)``."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     x = torch.randn(shape, generator=gen, dtype=torch.float32)

@@ -12,14 +12,15 @@ from vllm.logger import init_logger
 
 from vllm_afd import envs
 from vllm_afd.compat.patching import Patch, check_patch
+from vllm_afd.config import afd_config_of
 from vllm_afd.connector.protocol import ExecMode
-from vllm_afd.models.deepseek import afd_config_of
 from vllm_afd.models.exchange import (
     AttentionExchange,
     current_exchange,
     install_exchange,
 )
-from vllm_afd.models.moe_tail import closing_add_fused, moe_output_parts
+from vllm_afd.models.layout import ModelSplit
+from vllm_afd.models.moe_tail import closing_add_fused
 from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
@@ -29,7 +30,7 @@ from vllm_afd.worker.ubatching import UBatchSwitch, ubatch_token_counts
 logger = init_logger(__name__)
 
 
-def warn_if_not_bit_exact(vllm_config: Any) -> None:
+def warn_if_not_bit_exact(vllm_config: Any, split: ModelSplit) -> None:
     """Say so when AFD output may differ from plain vLLM in the last bits.
 
     Compiled 16-bit models ship each MoE layer's shared and routed outputs
@@ -38,7 +39,7 @@ def warn_if_not_bit_exact(vllm_config: Any) -> None:
     the MoE output crosses the connector rounded, where compiled vLLM fuses it
     into the next norm unrounded.
     """
-    if closing_add_fused(vllm_config) and moe_output_parts(vllm_config) == 1:
+    if closing_add_fused(vllm_config) and split.moe_output_parts == 1:
         dtype = vllm_config.model_config.dtype
         logger.warning(
             "AFD with %s, torch.compile and a model without shared experts: "
@@ -122,10 +123,12 @@ class AttentionSideMixin(AFDRunnerMixin):
 
     def afd_start(self) -> None:
         afd = afd_config_of(self.vllm_config)  # type: ignore[attr-defined]
-        warn_if_not_bit_exact(self.vllm_config)  # type: ignore[attr-defined]
+        split = self.model.afd_split  # type: ignore[attr-defined]
+        warn_if_not_bit_exact(self.vllm_config, split)  # type: ignore[attr-defined]
         endpoint = open_endpoint(
             self.vllm_config,  # type: ignore[attr-defined]
             afd,
+            split,
             self.device,  # type: ignore[attr-defined]
         )
         self.afd_endpoint = endpoint

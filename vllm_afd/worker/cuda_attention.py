@@ -20,7 +20,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_afd.compat.workers import CUDA_DEFAULT_WORKER, check_runner_generation
-from vllm_afd.models.deepseek import afd_config_of
+from vllm_afd.config import afd_config_of
 from vllm_afd.models.exchange import current_exchange
 from vllm_afd.worker.attention_side import AttentionSideMixin, announce_graphs
 from vllm_afd.worker.device_sharing import sharing_devices

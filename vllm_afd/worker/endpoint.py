@@ -20,8 +20,7 @@ from vllm.logger import init_logger
 from vllm_afd.config import AFDConfig
 from vllm_afd.connector import factory
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint
-from vllm_afd.models.moe_tail import moe_output_parts
-from vllm_afd.models.ownership import LayerLayout
+from vllm_afd.models.layout import ModelSplit
 from vllm_afd.topology import Topology, endpoint_rank
 
 logger = init_logger(__name__)
@@ -29,12 +28,16 @@ logger = init_logger(__name__)
 
 @dataclass
 class Endpoint:
-    """This process's place in the deployment and its connector (if any)."""
+    """This worker's AFD context, built once: its config, the model's split,
+    its place in the deployment, the handshake fingerprint and its connector
+    (None on attention TP ranks other than 0)."""
 
     afd: AFDConfig
+    split: ModelSplit
     topology: Topology
     role_rank: int
     tp_rank: int
+    fingerprint: Fingerprint
     connector: Any | None
 
     def close(self) -> None:
@@ -42,28 +45,30 @@ class Endpoint:
             self.connector.close()
 
 
-def fingerprint_of(vllm_config: VllmConfig, afd: AFDConfig) -> Fingerprint:
-    """What both roles must agree on before any tensor crosses."""
-    hf = vllm_config.model_config.hf_config
-    layout = LayerLayout.from_hf_config(hf)
+def fingerprint_of(
+    vllm_config: VllmConfig, afd: AFDConfig, split: ModelSplit
+) -> Fingerprint:
+    """What both roles must agree on before any tensor crosses: each role's
+    split as it built it, and the deployment."""
     return Fingerprint(
-        arch=hf.architectures[0],
-        hidden_size=hf.hidden_size,
+        arch=split.arch,
+        hidden_size=split.hidden_size,
         dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
-        num_layers=layout.num_layers,
-        moe_layers=layout.moe_layers,
-        num_experts=getattr(hf, "n_routed_experts", 0) or 0,
-        top_k=getattr(hf, "num_experts_per_tok", 0) or 0,
+        num_layers=split.num_layers,
+        moe_layers=split.moe_layers,
+        num_experts=split.num_experts,
+        top_k=split.top_k,
         num_attention_ranks=afd.num_attention_ranks,
         num_ffn_ranks=afd.num_ffn_ranks,
         compute_gate_on_attention=afd.compute_gate_on_attention,
         connector=afd.connector,
-        moe_output_parts=moe_output_parts(vllm_config),
+        moe_output_parts=split.moe_output_parts,
+        remote_layers=split.remote_layers,
     )
 
 
 def open_endpoint(
-    vllm_config: VllmConfig, afd: AFDConfig, device: torch.device
+    vllm_config: VllmConfig, afd: AFDConfig, split: ModelSplit, device: torch.device
 ) -> Endpoint:
     """Create and start this process's connector (TP rank 0 only)."""
     parallel = vllm_config.parallel_config
@@ -77,7 +82,7 @@ def open_endpoint(
         tp_rank=tp_rank,
         ffn_rank=afd.rank,
     )
-    fingerprint = fingerprint_of(vllm_config, afd)
+    fingerprint = fingerprint_of(vllm_config, afd, split)
     connector = None
     if role_rank is not None:
         connector = factory.create_connector(afd, role_rank, fingerprint, device)
@@ -103,4 +108,4 @@ def open_endpoint(
         PROTOCOL_VERSION,
         fingerprint.digest,
     )
-    return Endpoint(afd, topology, rank, tp_rank, connector)
+    return Endpoint(afd, split, topology, rank, tp_rank, fingerprint, connector)

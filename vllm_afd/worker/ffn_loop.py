@@ -33,13 +33,44 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm_afd.connector.payloads import A2FBatch
+from vllm_afd.connector.plan import MergedPlan
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDConnectorError
 
 logger = logging.getLogger(__name__)
 
-#: compute(layer_idx, batch) -> output [ΣT, H]; batch is a connector A2FBatch
-ComputeFn = Callable[[int, Any], torch.Tensor]
+#: compute(layer_idx, batch) -> output [ΣT, parts * H]
+ComputeFn = Callable[[int, A2FBatch], torch.Tensor]
+
+
+class FFNConnector(Protocol):
+    """What the loop needs from its connector (the facade's FFN side, or the
+    TP relay in front of it)."""
+
+    def recv_plan(self) -> MergedPlan | None:
+        """The next merged step plan; None once every peer shut down."""
+        ...
+
+    def recv_a2f(self, layer_idx: int, ubatch_idx: int) -> A2FBatch:
+        """This layer's merged activations (blocks up to the timeout)."""
+        ...
+
+    def send_f2a(self, layer_idx: int, ubatch_idx: int, out: torch.Tensor) -> Any:
+        """Start returning ``out [ΣT, C]``, each peer its slice."""
+        ...
+
+    def flush(self) -> None:
+        """Wait for every send still in flight."""
+        ...
+
+    def account_graph_step(self) -> None:
+        """Count a step served by a graph replay in the traffic counters."""
+        ...
+
+    def close(self) -> None:
+        """Tell the peers and release the transport (unblocks the loop)."""
+        ...
 
 
 class StepGraphs(Protocol):
@@ -70,7 +101,7 @@ class FFNLoop:
 
     def __init__(
         self,
-        connector: Any,
+        connector: FFNConnector,
         compute: ComputeFn,
         remote_layers: Sequence[int],
         *,

@@ -21,9 +21,10 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
+from vllm_afd.config import afd_config_of
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
-from vllm_afd.models.deepseek import afd_config_of
+from vllm_afd.models.protocols import RoleSplitModel
 from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.ffn_loop import FFNLoop, StepGraphs
 from vllm_afd.worker.metrics import endpoint_publisher
@@ -70,22 +71,21 @@ class FFNSideMixin(AFDRunnerMixin):
         afd = afd_config_of(vllm_config)
         if vllm_config.compilation_config.mode != CompilationMode.NONE:
             self._afd_compile_and_warm_up(afd)
-        endpoint = open_endpoint(vllm_config, afd, self.device)  # type: ignore[attr-defined]
+        model: RoleSplitModel = self.model  # type: ignore[attr-defined]
+        split = model.afd_split
+        device = self.device  # type: ignore[attr-defined]
+        endpoint = open_endpoint(vllm_config, afd, split, device)
         self.afd_endpoint = endpoint
-        model = self.model  # type: ignore[attr-defined]
         connector: Any = endpoint.connector
         tp_group = get_tp_group()
         if tp_group.world_size > 1:
-            hf = vllm_config.model_config.hf_config
             connector = TPRelay(
                 endpoint.connector,
                 tp_group,
-                hidden_size=hf.hidden_size,
+                hidden_size=split.hidden_size,
                 dtype=vllm_config.model_config.dtype,
-                device=self.device,  # type: ignore[attr-defined]
-                routing_top_k=(
-                    hf.num_experts_per_tok if afd.compute_gate_on_attention else None
-                ),
+                device=device,
+                routing_top_k=split.top_k if afd.compute_gate_on_attention else None,
             )
         self.afd_profiler = StepProfiler(
             "ffn", endpoint.role_rank, skip=envs.profile_skip()
@@ -93,7 +93,7 @@ class FFNSideMixin(AFDRunnerMixin):
         self.afd_loop = FFNLoop(
             connector,
             self._afd_compute,
-            model.remote_layers,
+            split.remote_layers,
             on_exit=self._afd_loop_exited,
             on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
@@ -114,21 +114,21 @@ class FFNSideMixin(AFDRunnerMixin):
         Done before the connector opens, so the attention role waits at the
         rendezvous rather than inside a step.
         """
-        model = self.model  # type: ignore[attr-defined]
-        hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        model: RoleSplitModel = self.model  # type: ignore[attr-defined]
+        split = model.afd_split
         model.compile_ffn()
         start = time.perf_counter()
         for num_tokens in (1, 2):
             hidden = torch.zeros(
                 num_tokens,
-                hf.hidden_size,
+                split.hidden_size,
                 dtype=self.vllm_config.model_config.dtype,  # type: ignore[attr-defined]
                 device=self.device,  # type: ignore[attr-defined]
             )
-            for layer_idx in model.remote_layers:
+            for layer_idx in split.remote_layers:
                 routing = None
-                if afd.compute_gate_on_attention:
-                    k = hf.num_experts_per_tok
+                if afd.compute_gate_on_attention and layer_idx in split.moe_layers:
+                    k = split.top_k
                     device = self.device  # type: ignore[attr-defined]
                     routing = Routing(
                         topk_weights=torch.full(
@@ -141,7 +141,7 @@ class FFNSideMixin(AFDRunnerMixin):
                 self._afd_compute(layer_idx, A2FBatch(hidden=hidden, routing=routing))
         logger.info(
             "AFD FFN: compiled and warmed up %d layers in %.1f s",
-            len(model.remote_layers),
+            len(split.remote_layers),
             time.perf_counter() - start,
         )
 

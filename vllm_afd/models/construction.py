@@ -1,0 +1,152 @@
+"""Build a role's half of any supported MoE model: the scoped patches.
+
+Wraps vllm/model_executor/layers/fused_moe/layer.py:FusedMoEFactory @ 0.32.0,
+which looks ``MoERunner`` and ``RoutedExperts`` up by name each time a model
+builds an MoE layer, and the family module named by the family record
+(:mod:`vllm_afd.models.families`). For the duration of the native model's
+``__init__`` only::
+
+    attention role                             FFN role
+    MoERunner      -> AFDRemoteRunner          (native)
+    RoutedExperts  -> AbsentRoutedExperts      (native)
+    GateLinear     -> AbsentGate (gate on FFN) AbsentGate (gate on attention)
+    dense MLP      -> remote (gate on FFN)     absent (gate on attention)
+    shared experts -> absent                   (native)
+    attention classes, RMSNorm, embeddings,
+    lm_head        (native)                    -> Absent
+
+Shared experts and dense MLPs are one class in every family; the stand-in
+tells them apart by prefix and records each dense MLP it builds
+(:class:`Recorded`), so ownership reads the prefixes vLLM built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_afd.compat.patching import Patch, scoped_patch
+from vllm_afd.config import AFDConfig
+from vllm_afd.models.families import Family
+from vllm_afd.models.remote import (
+    Absent,
+    AbsentGate,
+    AbsentRoutedExperts,
+    AFDRemoteRunner,
+    is_decoder_mlp,
+    remote_dense_class,
+)
+
+_FACTORY = "vllm.model_executor.layers.fused_moe.layer"
+
+RUNNER = Patch(
+    target=f"{_FACTORY}:MoERunner",
+    expected_params=(
+        "layer_name",
+        "moe_config",
+        "router",
+        "routed_experts",
+        "enable_dbo",
+        "gate",
+        "shared_experts",
+        "shared_expert_gate",
+        "routed_input_transform",
+        "routed_output_transform",
+        "routed_scaling_factor",
+    ),
+    reason="attention role: vLLM's MoE factory builds a runner that ships the "
+    "layer to the FFN role instead of running the experts",
+    removal="when vLLM's MoE factory accepts a runner class per model load",
+)
+ROUTED_EXPERTS = Patch(
+    target=f"{_FACTORY}:RoutedExperts",
+    expected_params=None,  # replaced by a stand-in that takes any arguments
+    reason="attention role: no routed-expert weights",
+    removal="when vLLM's MoE factory accepts a routed-experts class per load",
+)
+
+#: vLLM's generic layers the FFN role does not build, where a family module
+#: imports them
+FFN_ABSENT_LAYERS = ("RMSNorm", "VocabParallelEmbedding", "ParallelLMHead")
+GATE_CLASS = "GateLinear"
+
+
+def family_patch(family: Family, name: str, why: str) -> Patch:
+    """A declared swap of class ``name`` in the family's vLLM module."""
+    return Patch(
+        target=f"{family.module_path}:{name}",
+        expected_params=None,  # the stand-ins take any arguments
+        reason=why,
+        removal="when vLLM models accept per-module factories",
+    )
+
+
+@dataclass
+class Recorded:
+    """Prefixes the stand-ins saw while the model was built."""
+
+    dense_mlps: list[str] = field(default_factory=list)
+
+
+def _dense_factory(native: type, afd: AFDConfig, recorded: Recorded) -> type:
+    """A class to put in place of the family's dense-MLP class.
+
+    At a decoder layer's own MLP it records the prefix and builds what this
+    role holds there; nested inside an MoE block (shared experts) it builds
+    the native MLP on the FFN role and nothing on attention.
+    """
+    remote = remote_dense_class(native)
+
+    class DenseOrShared:
+        def __new__(cls, *args: Any, prefix: str = "", **kwargs: Any) -> Any:
+            dense = is_decoder_mlp(prefix)
+            if dense:
+                recorded.dense_mlps.append(prefix)
+            dense_here = afd.is_ffn != afd.compute_gate_on_attention
+            if (dense and dense_here) or (not dense and afd.is_ffn):
+                return native(*args, prefix=prefix, **kwargs)
+            if dense and afd.is_attention:
+                return remote(*args, prefix=prefix, **kwargs)
+            return Absent()
+
+    return DenseOrShared
+
+
+def patches_for(
+    afd: AFDConfig, family: Family, recorded: Recorded
+) -> list[tuple[Patch, Any]]:
+    """Every (patch, replacement) this role applies while its model is built."""
+    module = importlib.import_module(family.module_path)
+    out: list[tuple[Patch, Any]] = []
+    if afd.is_attention:
+        out.append((RUNNER, AFDRemoteRunner))
+        out.append((ROUTED_EXPERTS, AbsentRoutedExperts))
+    else:
+        for name in (*family.attention, *FFN_ABSENT_LAYERS):
+            if hasattr(module, name):
+                why = f"FFN role: no {name} (the attention role's)"
+                out.append((family_patch(family, name, why), Absent))
+    gate_here = afd.is_ffn != afd.compute_gate_on_attention
+    if not gate_here and hasattr(module, GATE_CLASS):
+        why = "no router gate where the other role routes"
+        out.append((family_patch(family, GATE_CLASS, why), AbsentGate))
+    if family.dense_mlp is not None:
+        native = getattr(module, family.dense_mlp)
+        why = "build each dense MLP / shared expert on the role that runs it"
+        factory = _dense_factory(native, afd, recorded)
+        out.append((family_patch(family, family.dense_mlp, why), factory))
+    return out
+
+
+@contextlib.contextmanager
+def role_construction(afd: AFDConfig, family: Family) -> Iterator[Recorded]:
+    """Apply this role's patches while the native ``__init__`` runs; every
+    original is restored on exit, errors included."""
+    recorded = Recorded()
+    with contextlib.ExitStack() as stack:
+        for patch, replacement in patches_for(afd, family, recorded):
+            stack.enter_context(scoped_patch(patch, replacement))
+        yield recorded

@@ -1,0 +1,177 @@
+"""The FFN role's per-layer compute, over the native modules vLLM built.
+
+Wraps vllm/model_executor/layers/fused_moe/runner/moe_runner.py @ 0.32.0 (the
+router's ``select_experts`` on the routing-shipped path)::
+
+    layer kind        gate on FFN (default)         gate on attention
+    dense MLP         mlp(hidden)                   (runs on attention)
+    MoE               block(hidden): the family's   runner(hidden) with the
+                      own gate, router, experts     shipped (w, ids) in place
+                      and shared experts            of its router
+
+Running the whole MoE block on the FFN role is what makes "gate on FFN" work
+for every family, whether its router runs inside vLLM's MoE runner (DeepSeek,
+Qwen3-MoE) or before it (Mixtral, Qwen2-MoE, GLM-4.5). With the shared and
+routed outputs shipped apart (``moe_output_parts == 2``) each MoE layer goes
+through :class:`~vllm_afd.models.moe_tail.MoEOutputParts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_afd.compat.patching import Patch, check_patch
+from vllm_afd.config import AFDConfig
+from vllm_afd.connector.payloads import Routing
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.models.layout import ModelSplit
+from vllm_afd.models.moe_tail import MoEOutputParts
+from vllm_afd.models.remote import layer_index
+
+LayerFn = Callable[[torch.Tensor], torch.Tensor]
+
+SELECT_EXPERTS = Patch(
+    target="vllm.model_executor.layers.fused_moe.router.fused_moe_router:"
+    "FusedMoERouter.select_experts",
+    expected_params=(
+        "self",
+        "hidden_states",
+        "router_logits",
+        "topk_indices_dtype",
+        "input_ids",
+    ),
+    reason="FFN role with the gate on attention: each MoE runner's router "
+    "(one instance attribute per layer) serves the routing shipped from "
+    "attention",
+    removal="when vLLM's MoE runner accepts precomputed top-k weights and ids",
+)
+
+
+class ShippedRouting:
+    """Serves the routing shipped from attention to one native MoE runner.
+
+    Installed as the runner's router ``select_experts``; :meth:`use` sets the
+    routing of the next call.
+    """
+
+    def __init__(self, router: Any) -> None:
+        check_patch(SELECT_EXPERTS)
+        self.router = router
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        router.select_experts = self
+
+    def use(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        self.pending = (topk_weights, topk_ids)
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        topk_indices_dtype: torch.dtype | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pending is None:
+            raise RuntimeError("AFD FFN MoE ran without the routing from attention")
+        topk_weights, topk_ids = self.pending
+        self.pending = None
+        if topk_indices_dtype is not None:
+            topk_ids = topk_ids.to(topk_indices_dtype)
+        return topk_weights, topk_ids
+
+
+def _check_routable(name: str, runner: Any) -> None:
+    """Routing computed on attention must reach the runner's experts.
+
+    Raises:
+        AFDConfigError: the runner's kernel routes inside itself, or its
+            router computes more than top-k weights and ids.
+    """
+    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import (
+        ZeroExpertRouter,
+    )
+
+    if runner.is_monolithic:
+        raise AFDConfigError(
+            f"{name}: this MoE kernel routes inside itself (monolithic), so "
+            "afd.compute_gate_on_attention=true cannot hand it the routing; "
+            "set it to false"
+        )
+    if (
+        isinstance(runner.router, ZeroExpertRouter)
+        or runner.moe_config.has_hash_routing
+    ):
+        raise AFDConfigError(
+            f"{name}: the router needs more than top-k weights and ids (zero "
+            "experts or hash routing); set afd.compute_gate_on_attention=false"
+        )
+
+
+class FFNLayers:
+    """Layer index -> the computation the FFN role runs for it."""
+
+    def __init__(self, model: nn.Module, split: ModelSplit, afd: AFDConfig) -> None:
+        self.split = split
+        self.shipped: dict[int, ShippedRouting] = {}
+        self.layers: dict[int, LayerFn] = {}
+        self.compiled: dict[int, LayerFn] = {}
+        gate_on_attn = afd.compute_gate_on_attention
+        for name in split.prefixes.routed_experts:
+            runner = model.get_submodule(name)
+            idx = layer_index(name)
+            if gate_on_attn:
+                _check_routable(name, runner)
+                self.shipped[idx] = ShippedRouting(runner.router)
+                fn: LayerFn = _runner_call(runner)
+            else:
+                fn = model.get_submodule(name.rsplit(".", 1)[0])
+            if split.moe_output_parts == 2:
+                fn = MoEOutputParts(fn, runner).forward
+            self.layers[idx] = fn
+        if not gate_on_attn:
+            for prefix in split.prefixes.dense_mlps:
+                self.layers[layer_index(prefix)] = model.get_submodule(prefix)
+
+    def compute(
+        self, layer_idx: int, hidden: torch.Tensor, routing: Routing | None
+    ) -> torch.Tensor:
+        """Layer ``layer_idx`` on ``hidden [T, H]``; with the routing shipped
+        from attention (``topk_weights``/``topk_ids [T, K]``) for MoE layers
+        when the gate runs there. MoE layers return ``[T, parts * H]``."""
+        if routing is not None:
+            self.shipped[layer_idx].use(routing.topk_weights, routing.topk_ids)
+        fn = self.compiled.get(layer_idx) or self.layers[layer_idx]
+        return fn(hidden)
+
+    def compile(self) -> None:
+        """``torch.compile`` each remote layer, as vLLM compiles the model.
+
+        When the attention role runs compiled, plain vLLM fuses the element-wise
+        tail of each MoE in one compiled kernel; the FFN role compiles the same
+        code to stay exact in bf16. Called before the FFN loop starts.
+        """
+        import torch._dynamo
+
+        limit = 4 * len(self.layers) + 8
+        config = torch._dynamo.config
+        config.cache_size_limit = max(config.cache_size_limit, limit)
+        config.accumulated_cache_size_limit = max(
+            config.accumulated_cache_size_limit, 4 * limit
+        )
+        self.compiled = {
+            i: torch.compile(fn, dynamic=True) for i, fn in self.layers.items()
+        }
+
+
+def _runner_call(runner: Any) -> LayerFn:
+    """The runner on ``hidden`` alone: its router reads the shipped routing
+    and ignores the logits (the runner-held gate is a stand-in here)."""
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        return runner(hidden_states=hidden, router_logits=hidden)
+
+    return run

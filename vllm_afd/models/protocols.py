@@ -1,0 +1,35 @@
+"""What the workers need from a role-split model (the seam, declared).
+
+Implemented by :class:`vllm_afd.models.split.RoleSplitMixin` for every
+supported family; the workers and the FFN loop see only this.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from vllm_afd.connector.payloads import Routing
+from vllm_afd.models.layout import ModelSplit
+
+
+class RoleSplitModel(Protocol):
+    """A model holding one role's half, split as :attr:`afd_split` says."""
+
+    afd_split: ModelSplit
+
+    def compute_ffn(
+        self, layer_idx: int, hidden: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
+        """FFN role: layer ``layer_idx`` on ``hidden [T, H]`` (routing
+        ``[T, K]`` when the gate runs on attention); ``[T, parts * H]``."""
+        ...
+
+    def compile_ffn(self) -> None:
+        """FFN role: ``torch.compile`` every remote layer."""
+        ...
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes this role holds, by part of the model."""
+        ...

@@ -1,0 +1,323 @@
+"""The role-split model: any supported MoE family, one mechanism.
+
+vLLM resolves an architecture to ``vllm_afd.models.split:AFD<Arch>`` (through
+``model_class_overrides``, see ``compat.engine_config``); this module makes
+that class on first use: the native class with :class:`RoleSplitMixin` in
+front. Its ``__init__`` runs the native one under the role's construction
+patches (:mod:`vllm_afd.models.construction`), then reads the split from what
+vLLM built (:func:`derive_split`) and checks that the role holds none of the
+other role's weights. Module and parameter names stay native; checkpoint
+weights are filtered by :func:`vllm_afd.models.ownership.weight_owner` before
+the native loader sees them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import (
+    MoERunnerInterface,
+)
+from vllm.model_executor.models.registry import _VLLM_MODELS
+
+from vllm_afd.config import AFDConfig, afd_config_of
+from vllm_afd.connector.payloads import Routing
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.models.construction import Recorded, role_construction
+from vllm_afd.models.exchange import current_exchange, forward_mode
+from vllm_afd.models.families import SUPPORTED_ARCHS, Family, family_of
+from vllm_afd.models.ffn_layers import FFNLayers
+from vllm_afd.models.layout import ModelSplit, model_log_line
+from vllm_afd.models.moe_tail import closing_add_fused
+from vllm_afd.models.ownership import SplitPrefixes, weight_owner
+from vllm_afd.models.remote import AFDRemoteRunner, layer_index
+
+logger = init_logger(__name__)
+
+PARAMETER_GROUPS = (
+    "embed_tokens",
+    "lm_head",
+    "norms",
+    "attention",
+    "dense_mlp",
+    "gate",
+    "shared_experts",
+    "routed_experts",
+)
+
+
+def _runners(model: nn.Module) -> dict[str, nn.Module]:
+    """MoE runners vLLM built, by prefix (AFD's stand-in on attention)."""
+    kinds = (MoERunnerInterface, AFDRemoteRunner)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def _parent(prefix: str) -> str:
+    return prefix.rsplit(".", 1)[0]
+
+
+def _uniform(values: dict[str, Any], what: str) -> Any:
+    found = set(values.values())
+    if len(found) != 1:
+        raise AFDConfigError(f"AFD needs one {what} for every MoE layer; got {values}")
+    return found.pop()
+
+
+def derive_split(
+    model: nn.Module,
+    arch: str,
+    family: Family,
+    afd: AFDConfig,
+    recorded: Recorded,
+    vllm_config: VllmConfig,
+) -> ModelSplit:
+    """Read the split from the modules vLLM built.
+
+    Raises:
+        AFDConfigError: the model has no MoE layer built by vLLM's MoE
+            factory, or its MoE layers disagree in width, experts or top-k.
+    """
+    runners = _runners(model)
+    if not runners:
+        raise AFDConfigError(
+            f"{arch}: vLLM built no MoE layer through its MoE factory "
+            "(FusedMoEFactory); AFD splits MoE models only"
+        )
+    configs = {name: r.moe_config for name, r in runners.items()}
+    first = next(iter(runners))
+    stack_path = first.split(".")
+    stack = ".".join(stack_path[: stack_path.index(str(layer_index(first)))])
+    blocks = tuple(_parent(name) for name in runners)
+    gates = tuple(
+        f"{b}.{family.gate}"
+        for b in blocks
+        if getattr(model.get_submodule(b), family.gate, None) is not None
+    )
+    moe_layers = tuple(sorted(layer_index(b) for b in blocks))
+    dense_layers = tuple(sorted(layer_index(p) for p in recorded.dense_mlps))
+    remote = moe_layers if afd.compute_gate_on_attention else dense_layers + moe_layers
+    shared = all(_has_shared_experts(r) for r in runners.values())
+    return ModelSplit(
+        arch=arch,
+        num_layers=len(model.get_submodule(stack)),
+        hidden_size=_uniform({n: c.hidden_dim for n, c in configs.items()}, "width"),
+        moe_layers=moe_layers,
+        dense_layers=dense_layers,
+        remote_layers=tuple(sorted(remote)),
+        num_experts=_uniform(
+            {n: c.num_logical_experts for n, c in configs.items()}, "expert count"
+        ),
+        top_k=_uniform({n: c.experts_per_token for n, c in configs.items()}, "top-k"),
+        shared_experts=shared,
+        moe_output_parts=2 if shared and closing_add_fused(vllm_config) else 1,
+        prefixes=SplitPrefixes(
+            moe_blocks=blocks,
+            gates=gates,
+            dense_mlps=tuple(recorded.dense_mlps),
+            routed_experts=tuple(runners),
+        ),
+    )
+
+
+def _has_shared_experts(runner: nn.Module) -> bool:
+    if isinstance(runner, AFDRemoteRunner):
+        return runner.has_shared_experts
+    return runner.shared_experts is not None
+
+
+def parameter_group(name: str, prefixes: SplitPrefixes) -> str:
+    """Which part of the model a parameter belongs to (for per-role bytes)."""
+    under = lambda ps: any(name.startswith(p + ".") for p in ps)  # noqa: E731
+    if under(prefixes.dense_mlps):
+        return "dense_mlp"
+    if under(prefixes.gates):
+        return "gate"
+    if under(prefixes.routed_experts):
+        return "routed_experts"
+    if under(prefixes.moe_blocks):
+        return "shared_experts"
+    for group in ("embed_tokens", "lm_head"):
+        if group in name:
+            return group
+    if "norm" in name and "attn" not in name:
+        return "norms"
+    return "attention"
+
+
+class RoleSplitMixin(nn.Module):
+    """Put before a native ``…ForCausalLM``: builds only this role's modules.
+
+    Attributes:
+        afd: the deployment's AFD config.
+        afd_split: the split read from what vLLM built.
+        afd_ffn: the FFN role's per-layer compute (None on attention).
+    """
+
+    _afd_arch: str = ""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        afd = afd_config_of(vllm_config)
+        family = family_of(self._afd_arch)
+        assert family is not None, self._afd_arch
+        with role_construction(afd, family) as recorded:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.afd = afd
+        self.afd_split = derive_split(
+            self, self._afd_arch, family, afd, recorded, vllm_config
+        )
+        self._afd_finish_attention(family)
+        check_role_weights(self, afd, self.afd_split)
+        self.afd_ffn: FFNLayers | None = None
+        if afd.is_ffn:
+            self.afd_ffn = FFNLayers(self, self.afd_split, afd)
+        logger.info(
+            "%s",
+            model_log_line(afd.role.value, self.afd_split, self.parameter_bytes()),
+        )
+
+    def _afd_finish_attention(self, family: Family) -> None:
+        """Attention role: tell each remote runner how it ships, and drop what
+        the MoE blocks built for the FFN role outside vLLM's factory (a gate
+        of another class, a shared expert's own gate)."""
+        if not self.afd.is_attention:
+            return
+        from vllm_afd.models.remote import Absent, AbsentGate
+
+        gate_here = self.afd.compute_gate_on_attention
+        for name, runner in _runners(self).items():
+            runner.routes = gate_here
+            runner.parts = self.afd_split.moe_output_parts
+            block = self.get_submodule(_parent(name))
+            for child_name, child in list(block.named_children()):
+                if child is runner or not any(True for _ in child.parameters()):
+                    continue
+                if child_name == family.gate:
+                    if not gate_here:
+                        setattr(block, child_name, AbsentGate())
+                    continue
+                setattr(block, child_name, Absent())
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters this role holds, by :func:`parameter_group`."""
+        groups: dict[str, int] = dict.fromkeys(PARAMETER_GROUPS, 0)
+        for name, param in self.named_parameters():
+            group = parameter_group(name, self.afd_split.prefixes)
+            groups[group] += param.numel() * param.element_size()
+        return groups
+
+    # ---- attention role -------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if not self.afd.is_attention:
+            raise AFDConfigError(
+                "the AFD FFN role does not run the decoder forward; it is "
+                "driven by the connector"
+            )
+        current_exchange().begin_forward(
+            int(positions.shape[-1]), forward_mode(positions)
+        )
+        return super().forward(input_ids, positions, *args, **kwargs)
+
+    # ---- FFN role -------------------------------------------------------
+    def compute_ffn(
+        self, layer_idx: int, hidden: torch.Tensor, routing: Routing | None = None
+    ) -> torch.Tensor:
+        """Run layer ``layer_idx``'s dense MLP or MoE on ``hidden [T, H]``."""
+        assert self.afd_ffn is not None, "compute_ffn runs on the FFN role"
+        return self.afd_ffn.compute(layer_idx, hidden, routing)
+
+    def compile_ffn(self) -> None:
+        """``torch.compile`` each remote layer, as vLLM compiles the model."""
+        assert self.afd_ffn is not None, "compile_ffn runs on the FFN role"
+        self.afd_ffn.compile()
+
+    @property
+    def remote_layers(self) -> tuple[int, ...]:
+        return self.afd_split.remote_layers
+
+    # ---- both -----------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        role, split = self.afd.role, self.afd_split
+        gate_on_attn = self.afd.compute_gate_on_attention
+        mapper = getattr(self, "hf_to_vllm_mapper", None)
+
+        def owner(name: str) -> Any:
+            mapped = mapper._map_name(name) if mapper is not None else name
+            return weight_owner(
+                mapped or name, split.prefixes, compute_gate_on_attention=gate_on_attn
+            )
+
+        return super().load_weights((n, t) for n, t in weights if owner(n) is role)
+
+
+def check_role_weights(model: nn.Module, afd: AFDConfig, split: ModelSplit) -> None:
+    """A role holds no parameter the other role owns.
+
+    Raises:
+        AFDConfigError: naming the first such parameter; the family record
+            (or the model's way of building its MoE) does not fit the split.
+    """
+    gate_on_attn = afd.compute_gate_on_attention
+    for name, _ in model.named_parameters():
+        owner = weight_owner(
+            name, split.prefixes, compute_gate_on_attention=gate_on_attn
+        )
+        if owner is not afd.role:
+            raise AFDConfigError(
+                f"{split.arch}: the AFD {afd.role.value} role built {name}, which "
+                f"the {owner.value} role owns; the model builds it outside what "
+                "the role split replaces (vLLM's MoE factory and the family "
+                "record in vllm_afd.models.families)"
+            )
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def role_split_class(arch: str) -> type:
+    """The role-split class of architecture ``arch`` (made once, cached).
+
+    Raises:
+        AFDConfigError: no family record serves ``arch``.
+    """
+    if arch in _CLASSES:
+        return _CLASSES[arch]
+    if family_of(arch) is None or arch not in _VLLM_MODELS:
+        raise AFDConfigError(
+            f"AFD does not support architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+    module_name, class_name = _VLLM_MODELS[arch]
+    native = getattr(
+        importlib.import_module(f"vllm.model_executor.models.{module_name}"),
+        class_name,
+    )
+    cls = type(
+        f"AFD{arch}",
+        (RoleSplitMixin, native),
+        {"_afd_arch": arch, "__module__": __name__, "__qualname__": f"AFD{arch}"},
+    )
+    _CLASSES[arch] = cls
+    return cls
+
+
+def class_name(arch: str) -> str:
+    """The qualified name vLLM imports for ``arch`` (``model_class_overrides``)."""
+    return f"{__name__}:AFD{arch}"
+
+
+def __getattr__(name: str) -> type:
+    if name.startswith("AFD") and family_of(name[3:]) is not None:
+        return role_split_class(name[3:])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
