@@ -336,15 +336,17 @@ def afd_vs_plain(
     spec: DeploymentSpec,
     texts: list[str],
     plain: list[Completion] | None = None,
+    ffn_metrics: bool = False,
     **start_kw: Any,
 ) -> Compared:
-    """Start AFD with ``spec``, run the workload, read its /metrics, stop it,
-    then run the same workload on plain vLLM with the same settings (unless
-    ``plain`` already holds those outputs). Comparing is the caller's."""
+    """Start AFD with ``spec``, run the workload, read the /metrics of its
+    attention role (FFN rank 0's with ``ffn_metrics``), stop it, then run the
+    same workload on plain vLLM with the same settings (unless ``plain``
+    already holds those outputs). Comparing is the caller's."""
     afd, log = start(spec, **start_kw)
     try:
         afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
-        metrics = settled_metrics(afd.api_url)
+        metrics = settled_metrics(afd.ffn.url if ffn_metrics else afd.api_url)
     finally:
         afd.stop()
     if plain is None:

@@ -20,15 +20,11 @@ from pathlib import Path
 
 import pytest
 from harness import (
+    afd_vs_plain,
     assert_same_outputs,
     make_spec,
     parameter_bytes,
-    plain_outputs,
     prompts,
-    run_workload,
-    served_model,
-    settled_metrics,
-    start,
 )
 
 pytestmark = pytest.mark.e2e
@@ -45,15 +41,8 @@ def _run(tiny_models, arch, gate_on_attention, args=FP32_EAGER):
         args,
         gate_on_attention=gate_on_attention,
     )
-    texts = prompts(16)
-    afd, log = start(spec)
-    try:
-        afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
-        ffn_metrics = settled_metrics(afd.ffn.url)
-    finally:
-        afd.stop()
-    plain_out = plain_outputs(spec, texts)
-    return afd_out, plain_out, parameter_bytes(log.getvalue()), ffn_metrics
+    run = afd_vs_plain(spec, prompts(16), ffn_metrics=True)
+    return run.afd, run.plain, parameter_bytes(run.log), run.metrics
 
 
 def _config(model_dir: Path) -> dict:
