@@ -144,7 +144,9 @@ class FFNLayers:
         when the gate runs there. MoE layers return ``[T, parts * H]``."""
         if routing is not None:
             self.shipped[layer_idx].use(routing.topk_weights, routing.topk_ids)
-        fn = self.compiled.get(layer_idx) or self.layers[layer_idx]
+        fn = self.compiled.get(layer_idx)
+        if fn is None:
+            fn = self.layers[layer_idx]
         return fn(hidden)
 
     def compile(self) -> None:
