@@ -115,6 +115,10 @@ _KEYS: dict[str, type] = {
 }
 
 
+#: every key of ``additional_config["afd"]``
+AFD_KEYS = frozenset(_KEYS)
+
+
 def _type_name(value: Any) -> str:
     return type(value).__name__
 
@@ -136,8 +140,16 @@ def _check_type(key: str, value: Any, expected: type) -> None:
 
 
 def _unknown_key_error(key: str) -> AFDConfigError:
+    from vllm_afd.connector import factory
+
     close = difflib.get_close_matches(key, list(_KEYS), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if key in factory.option_names():
+        hint = (
+            f"; {key} is a connector option: put it under "
+            f'afd.connector_extra_config, e.g. {{"connector_extra_config": '
+            f'{{"{key}": ...}}}}.'
+        )
     return AFDConfigError(
         f"unknown key afd.{key}{hint} Valid keys: {', '.join(sorted(_KEYS))}"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from types import MappingProxyType
 from typing import Any
@@ -333,6 +334,10 @@ def test_parse_loopback_connector_rejects_p2p_only_extra_key() -> None:
         ({"timeout_s": True}, "timeout_s=True has type bool; it must be a number"),
         ({"timeout_s": 0}, "timeout_s=0 must be > 0 seconds"),
         ({"connect_timeout_s": -1.0}, "connect_timeout_s=-1.0 must be > 0 seconds"),
+        ({"timeout_s": float("inf")}, "timeout_s=inf must be a finite number"),
+        ({"timeout_s": float("-inf")}, "timeout_s=-inf must be a finite number"),
+        ({"timeout_s": float("nan")}, "timeout_s=nan must be a finite number"),
+        ({"warmup_timeout_s": 9e13}, "at most 604800 (7 days)"),
         ({"backend": 1}, "backend=1 has type int; it must be a string"),
         ({"backend": "mpi"}, "backend='mpi' is not one of auto, gloo, nccl"),
     ],
@@ -341,6 +346,28 @@ def test_parse_bad_connector_extra_value_raises(
     extra: dict[str, Any], pattern: str
 ) -> None:
     _raises(_cfg(connector_extra_config=extra), re.escape(pattern))
+
+
+def test_parse_infinity_from_json_is_refused_naming_the_key() -> None:
+    # JSON parsers accept Infinity and NaN; the config must not.
+    raw = json.loads(
+        '{"role": "ffn", "connector_extra_config": {"timeout_s": Infinity}}'
+    )
+    _raises(raw, re.escape("afd.connector_extra_config.timeout_s=inf"))
+
+
+@pytest.mark.parametrize("key", ["timeout_s", "connect_timeout_s", "backend"])
+def test_parse_connector_option_at_top_level_says_where_it_belongs(key) -> None:
+    err = _raises(_cfg(**{key: 10}), f"unknown key afd.{key}")
+    assert "put it under afd.connector_extra_config" in str(err)
+
+
+def test_parse_afd_key_inside_connector_extra_config_says_where_it_belongs():
+    err = _raises(
+        _cfg(connector_extra_config={"num_ffn_ranks": 2}),
+        "afd.connector_extra_config.num_ffn_ranks is not an option",
+    )
+    assert "put it at afd.num_ffn_ranks" in str(err)
 
 
 def test_parse_checks_role_before_ranges() -> None:

@@ -12,6 +12,7 @@ Imports neither vLLM nor torch at module level (config parsing stays light).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -127,6 +128,16 @@ def canonical_name(name: str) -> str:
     )
 
 
+#: the longest blocking wait a timeout option may ask for (a week): beyond it
+#: a deadline overflows the clocks the waits use
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def option_names() -> frozenset[str]:
+    """Every ``connector_extra_config`` key of any registered connector."""
+    return frozenset(k for s in _BY_NAME.values() for k in s.options)
+
+
 def spec(name: str) -> ConnectorSpec:
     """The :class:`ConnectorSpec` of ``name`` (an alias is fine)."""
     return _BY_NAME[canonical_name(name)]
@@ -152,6 +163,11 @@ def _check_option(name: str, key: str, value: Any, opt: Option) -> Any:
             f"{where} is not one of {', '.join(opt.choices)} for connector {name!r}"
         )
     if opt.kind is float:
+        if not math.isfinite(value) or value > MAX_TIMEOUT_S:
+            raise AFDConfigError(
+                f"{where} must be a finite number of seconds, at most "
+                f"{MAX_TIMEOUT_S:.0f} (7 days)"
+            )
         if value <= 0:
             raise AFDConfigError(f"{where} must be > 0 seconds")
         value = float(value)
@@ -178,9 +194,16 @@ def validate_extra_config(name: str, extra: Mapping[str, Any]) -> dict[str, Any]
     for key, value in extra.items():
         opt = s.options.get(key)
         if opt is None:
+            from vllm_afd.config import AFD_KEYS
+
+            hint = (
+                f"; it is a key of afd itself: put it at afd.{key}"
+                if key in AFD_KEYS
+                else ""
+            )
             raise AFDConfigError(
                 f"afd.connector_extra_config.{key} is not an option of connector "
-                f"{s.name!r}; valid keys: {', '.join(sorted(s.options))}"
+                f"{s.name!r}{hint}; valid keys: {', '.join(sorted(s.options))}"
             )
         out[key] = _check_option(s.name, key, value, opt)
     for key, opt in s.options.items():
