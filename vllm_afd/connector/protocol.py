@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Frames larger than this are not control messages: the peer speaks another
 # protocol (or is not a vllm-afd endpoint at all).
@@ -216,6 +216,9 @@ class Fingerprint:
             MoE output) or 2 (shared then routed expert outputs, which the
             attention role adds; see ``vllm_afd.models.moe_tail``).
         remote_layers: layers whose MLP/MoE the FFN role serves, in order.
+        model_digest: which checkpoint, config, dtype and quantization the
+            role loaded (``vllm_afd.worker.identity``); same shapes with other
+            weights differ here.
     """
 
     arch: str
@@ -231,6 +234,7 @@ class Fingerprint:
     connector: str
     moe_output_parts: int = 1
     remote_layers: tuple[int, ...] = ()
+    model_digest: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from vllm_afd.connector import factory
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint
 from vllm_afd.models.layout import ModelSplit
 from vllm_afd.topology import Topology, endpoint_rank
+from vllm_afd.worker.identity import model_digest
 
 logger = init_logger(__name__)
 
@@ -48,8 +49,8 @@ class Endpoint:
 def fingerprint_of(
     vllm_config: VllmConfig, afd: AFDConfig, split: ModelSplit
 ) -> Fingerprint:
-    """What both roles must agree on before any tensor crosses: each role's
-    split as it built it, and the deployment."""
+    """What both roles must agree on before any tensor crosses: the model each
+    role loaded, its split as the role built it, and the deployment."""
     return Fingerprint(
         arch=split.arch,
         hidden_size=split.hidden_size,
@@ -64,6 +65,7 @@ def fingerprint_of(
         connector=afd.connector,
         moe_output_parts=split.moe_output_parts,
         remote_layers=split.remote_layers,
+        model_digest=model_digest(vllm_config),
     )
 
 
