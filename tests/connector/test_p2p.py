@@ -81,6 +81,46 @@ def test_unreachable_ffn_fails_after_connect_timeout():
     assert time.monotonic() - t0 < 3
 
 
+@pytest.fixture
+def rendezvous_log(monkeypatch):
+    """INFO lines of the rendezvous, with progress lines every 0.1 s."""
+    import logging
+
+    from vllm_afd.connector import p2p_wire
+
+    monkeypatch.setattr(p2p_wire, "PROGRESS_S", 0.1)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, log = Keep(logging.INFO), logging.getLogger("vllm_afd.connector")
+    old = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield lines
+    log.removeHandler(handler)
+    log.setLevel(old)
+
+
+def test_waiting_attention_logs_where_it_is_trying_to_connect(rendezvous_log):
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=0.6)
+    with pytest.raises(AFDTimeoutError):
+        S._connector(sc, "attention", 0).start()
+    waits = [m for m in rendezvous_log if "still trying to reach" in m]
+    assert waits and f"127.0.0.1:{sc.port}" in waits[0], rendezvous_log
+    assert "of connect_timeout_s=1" in waits[0]
+
+
+def test_waiting_ffn_rank_0_logs_which_peers_are_missing(rendezvous_log):
+    sc = S.Scenario("p2p", S.free_port(), 2, 1, connect_timeout_s=0.6)
+    with pytest.raises(AFDTimeoutError, match="attention rank 0, attention rank 1"):
+        S._connector(sc, "ffn", 0).start()
+    waits = [m for m in rendezvous_log if "waiting for attention rank 0" in m]
+    assert waits and f"listening on 127.0.0.1:{sc.port}" in waits[0], rendezvous_log
+
+
 _FFN_PROGRAM = """
 import sys, time
 sys.path.insert(0, {here!r})

@@ -19,6 +19,7 @@ in either order.
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import time
@@ -26,7 +27,13 @@ import uuid
 from dataclasses import dataclass
 
 from vllm_afd.connector import protocol
-from vllm_afd.connector.p2p_wire import RENDEZVOUS_HINT, Channel, connect, listen
+from vllm_afd.connector.p2p_wire import (
+    RENDEZVOUS_HINT,
+    Channel,
+    Progress,
+    connect,
+    listen,
+)
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint, MsgType
 from vllm_afd.errors import (
     AFDConnectorError,
@@ -36,6 +43,8 @@ from vllm_afd.errors import (
 )
 from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,8 +130,11 @@ def serve(
     seen: dict[tuple[AFDRole, int], Channel] = {}
     listens: dict[int, tuple[str, int]] = {}
     fresh: list[Channel] = []
+    progress = Progress(connect_timeout_s)
     try:
         while set(seen) != expected:
+            missing = ", ".join(_name(*k) for k in sorted(expected - set(seen)))
+            progress.tick(f"listening on {host}:{port}, waiting for {missing}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(expected - set(seen))
@@ -133,7 +145,8 @@ def serve(
                 )
                 _reject_all(list(seen.values()) + fresh, reason, [])
                 raise AFDTimeoutError(reason)
-            ready, _, _ = select.select([listener, *fresh], [], [], remaining)
+            wait = min(remaining, progress.due() or remaining)
+            ready, _, _ = select.select([listener, *fresh], [], [], wait)
             for r in ready:
                 if r is listener:
                     sock, _addr = listener.accept()
@@ -208,6 +221,14 @@ def join(
             own = listen(local_host, 0)
             listen_addr = (local_host, own.getsockname()[1])
         hub.send(protocol.hello(role.value, rank, fp, listen_addr))
+        logger.info(
+            "AFD rendezvous: %s connected to ffn rank 0 at %s:%d; waiting for "
+            "ACCEPT (sent once all %d endpoints have joined)",
+            _name(role, rank),
+            host,
+            port,
+            topo.world_size,
+        )
         what = "the handshake reply (ACCEPT)"
         accept = _await_reply(hub, deadline, connect_timeout_s, what)
         session = accept["session"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import select
 import socket
 import time
@@ -17,6 +18,33 @@ from vllm_afd.connector import protocol
 from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
 
 _RETRY_S = 0.2
+#: how often a rendezvous wait logs who it is still waiting for
+PROGRESS_S = 10.0
+
+logger = logging.getLogger(__name__)
+
+
+class Progress:
+    """Logs ``what`` at INFO every :data:`PROGRESS_S` while a wait lasts."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.start = self.last = time.monotonic()
+        self.timeout_s = timeout_s
+
+    def due(self) -> float:
+        """Seconds until the next line is due (for a bounded wait)."""
+        return max(self.last + PROGRESS_S - time.monotonic(), 0.0)
+
+    def tick(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S:
+            self.last = now
+            logger.info(
+                "AFD rendezvous: %s (%.0fs of connect_timeout_s=%.0f)",
+                what,
+                now - self.start,
+                self.timeout_s,
+            )
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -62,7 +90,9 @@ def connect(
             what to check.
     """
     last: OSError | None = None
+    progress = Progress(timeout_s)
     while True:
+        progress.tick(f"still trying to reach {host}:{port} (last error: {last})")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AFDTimeoutError(
