@@ -4,7 +4,8 @@ The FFN worker reports no supported tasks, so vLLM registers no generate
 routes; without this middleware a completion request would get a bare
 ``404 Not Found``. Installed by the engine-config hook on the FFN role only
 (wrapping vllm/entrypoints/launchers/app.py:init_entrypoints_middleware
-@ 0.32.0). ``GET`` routes (``/health``, ``/metrics``, ``/v1/models``) stay.
+@ 0.32.0). ``GET`` routes (``/health``, ``/metrics``) stay; ``GET /v1/models``
+lists no model, since the FFN role serves none.
 """
 
 from __future__ import annotations
@@ -25,32 +26,42 @@ INIT_MIDDLEWARE = Patch(
 
 
 class FFNRefusalMiddleware:
-    """ASGI middleware: every non-GET HTTP request gets a 404 naming the role."""
+    """ASGI middleware: every non-GET HTTP request gets a 404 naming the role;
+    ``GET /v1/models`` an empty list."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/v1/models":
+            await _json(send, 200, {"object": "list", "data": []})
+            return
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
+        await _json(
+            send,
+            404,
             {
                 "error": {
                     "message": FFN_SERVES_NO_REQUESTS,
                     "type": "NotFoundError",
                     "code": 404,
                 }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 404,
-                "headers": [(b"content-type", b"application/json")],
-            }
+            },
         )
-        await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Any, status: int, obj: dict) -> None:
+    body = json.dumps(obj).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _wrap(original: Any) -> Any:
