@@ -34,3 +34,13 @@ def family_models(tmp_path_factory):
         arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=3)
         for arch in TINY_ARCHS
     }
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The model-family figures of test_families.py, at the end of the run."""
+    harness = sys.modules.get("harness")
+    results = getattr(harness, "FAMILY_RESULTS", [])
+    if results:
+        terminalreporter.section("AFD model families (identical greedy / bytes)")
+        for line in results:
+            terminalreporter.write_line(line)

@@ -22,6 +22,9 @@ from typing import Any
 
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
 
+#: one line per model-family case (test_families.py), printed at the end
+FAMILY_RESULTS: list[str] = []
+
 #: settings shared by AFD and the baseline: exactness is "same settings"
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
 

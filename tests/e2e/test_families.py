@@ -14,7 +14,14 @@ built. DeepSeek-V2/V3 run the same split in ``test_exact_1a1f.py``,
 from __future__ import annotations
 
 import pytest
-from harness import afd_vs_plain, assert_same_outputs, make_spec, model_lines, prompts
+from harness import (
+    FAMILY_RESULTS,
+    afd_vs_plain,
+    assert_same_outputs,
+    make_spec,
+    model_lines,
+    prompts,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -55,13 +62,17 @@ def test_family_exact_and_role_split(family_models, family, ranks, gate_on_atten
     same = sum(
         a.token_ids == p.token_ids for a, p in zip(run.afd, run.plain, strict=True)
     )
-    print(
-        f"{family} {ranks}A1F gate_on_attention={gate_on_attention}: "
-        f"{same}/{len(texts)} identical"
+    lines = model_lines(run.log)
+    held = {
+        role: {g: b for g, b in groups.items() if b}
+        for role, (_, groups) in lines.items()
+    }
+    FAMILY_RESULTS.append(
+        f"{family} {ranks}A1F gate on {'attention' if gate_on_attention else 'ffn'}: "
+        f"{same}/{len(texts)} identical; bytes {held}"
     )
     assert_same_outputs(run.afd, run.plain, atol=ATOL[ranks])
 
-    lines = model_lines(run.log)
     assert set(lines) == {"attention", "ffn"}, run.log[-3000:]
     (att_split, att), (ffn_split, ffn) = lines["attention"], lines["ffn"]
     assert att_split == ffn_split
