@@ -7,12 +7,6 @@ change diagnostics, never behaviour a user relies on.
     Set by the plugin in the process that builds the vLLM config of an AFD
     run (the API server); inherited by its engine and worker processes. The
     FFN role signals it to stop the server when its attention peers shut down.
-``AFD_LAUNCHER_PID``
-    Set by ``vllm-afd launch`` (and the test harness) for each role process
-    it starts in a session of its own: when the process with that pid is no
-    longer the role's parent (the launcher died, even by SIGKILL), the role
-    kills its whole process group (API server, engine core, workers) within
-    about a second, so no role outlives its launcher.
 ``AFD_KEEP_FFN_ALIVE``
     ``1`` keeps an FFN server running after its attention peers shut down
     (default: it stops itself).
@@ -39,7 +33,6 @@ import os
 
 AFD_SERVER_PID = "AFD_SERVER_PID"
 AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
-AFD_LAUNCHER_PID = "AFD_LAUNCHER_PID"
 AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
 AFD_PROFILE_SKIP = "AFD_PROFILE_SKIP"
@@ -55,11 +48,6 @@ def server_pid() -> int | None:
 def mark_server_process() -> None:
     """Record this process as the server's root (inherited by its children)."""
     os.environ[AFD_SERVER_PID] = str(os.getpid())
-
-
-def launcher_pid() -> int | None:
-    value = os.environ.get(AFD_LAUNCHER_PID)
-    return int(value) if value and value.isdigit() else None
 
 
 def keep_ffn_alive() -> bool:

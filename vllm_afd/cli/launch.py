@@ -297,12 +297,9 @@ def serve_argv(model: str, port: int, extra: Sequence[str]) -> list[str]:
 
 def child_env(devices: str | None) -> dict[str, str]:
     """A server process's own environment: this one's, without the parent
-    server's pid, with this launcher's pid (``AFD_LAUNCHER_PID``: the role
-    ends when the launcher is gone) and ``CUDA_VISIBLE_DEVICES`` set when
-    ``devices`` is."""
+    server's pid, with ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is."""
     env = dict(os.environ)
     env.pop("AFD_SERVER_PID", None)
-    env["AFD_LAUNCHER_PID"] = str(os.getpid())
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     return env
@@ -418,16 +415,6 @@ class Deployment:
         self.stop()
 
 
-class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows each flag's default, unless it has none or says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, [], {}, False) or "default" in text:
-            return text
-        return super()._get_help_string(action) or text
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
@@ -435,19 +422,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Start every role process, wait until ready, print the API "
         "URL; stop all on Ctrl-C or when one dies. Arguments after `--` go to "
         "every `vllm serve`.",
-        formatter_class=DefaultsHelp,
     )
-    p.add_argument("model", help="model directory or id, as for vllm serve")
-    p.add_argument(
-        "-A",
-        "--attention-ranks",
-        type=int,
-        default=1,
-        help="attention ranks (data-parallel ranks of one attention server)",
-    )
-    p.add_argument(
-        "-F", "--ffn-ranks", type=int, default=1, help="FFN ranks (one server each)"
-    )
+    p.add_argument("model")
+    p.add_argument("-A", "--attention-ranks", type=int, default=1)
+    p.add_argument("-F", "--ffn-ranks", type=int, default=1)
     p.add_argument("--port", type=int, default=8000, help="attention API port")
     p.add_argument(
         "--ffn-port", type=int, default=None, help="FFN API port (default: --port + 1)"
@@ -459,7 +437,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="connector rendezvous port (afd.port)",
     )
     p.add_argument("--host", default="127.0.0.1", help="connector host (afd.host)")
-    p.add_argument("--connector", default="p2p", help="connector name (afd.connector)")
+    p.add_argument("--connector", default="p2p")
     p.add_argument(
         "--gate-on-attention",
         action="store_true",
@@ -490,12 +468,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="extra vllm serve arguments for every FFN rank only",
     )
     add_device_flags(p)
-    p.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for every role to be healthy",
-    )
+    p.add_argument("--ready-timeout", type=float, default=600.0)
     p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
 
@@ -524,17 +497,9 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
         return 2
     stop = threading.Event()
-    started = threading.Event()
-
-    def on_sigterm(*_: object) -> None:
-        if not started.is_set():  # still starting: leave the start-up wait now
-            raise _Stopped
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         deployment.start(args.ready_timeout)
-        started.set()
         print(
             f"AFD {spec.attention_ranks}A{spec.ffn_ranks}F ready: "
             f"{deployment.api_url}/v1",
@@ -543,7 +508,7 @@ def run_launch(args: argparse.Namespace) -> int:
         while not stop.is_set():
             deployment.check_alive()
             stop.wait(1.0)
-    except (KeyboardInterrupt, _Stopped):
+    except KeyboardInterrupt:
         pass
     except LaunchError as exc:
         print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
@@ -551,10 +516,6 @@ def run_launch(args: argparse.Namespace) -> int:
     finally:
         deployment.stop()
     return 0
-
-
-class _Stopped(Exception):
-    """SIGTERM arrived while the deployment was starting."""
 
 
 class PlainServer:

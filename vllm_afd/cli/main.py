@@ -70,13 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
-        from vllm_afd import envs
-        from vllm_afd.cli.launcher_watch import watch_launcher
         from vllm_afd.cli.vllm_cli import run_vllm_cli
 
-        launcher = envs.launcher_pid()
-        if launcher is not None:
-            watch_launcher(launcher)
         run_vllm_cli(argv)
         return 0
     # Everything after the first `--` goes to vllm serve, untouched.
