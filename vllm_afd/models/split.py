@@ -36,7 +36,7 @@ from vllm_afd.models.ffn_layers import FFNLayers
 from vllm_afd.models.layout import ModelSplit, model_log_line
 from vllm_afd.models.moe_tail import closing_add_fused
 from vllm_afd.models.ownership import SplitPrefixes, weight_owner
-from vllm_afd.models.remote import AFDRemoteRunner, layer_index
+from vllm_afd.models.remote import Absent, AbsentGate, AFDRemoteRunner, layer_index
 
 logger = init_logger(__name__)
 
@@ -187,10 +187,9 @@ class RoleSplitMixin(nn.Module):
         of another class, a shared expert's own gate)."""
         if not self.afd.is_attention:
             return
-        from vllm_afd.models.remote import Absent, AbsentGate
-
         gate_here = self.afd.compute_gate_on_attention
-        for name, runner in _runners(self).items():
+        for name in self.afd_split.prefixes.routed_experts:
+            runner = self.get_submodule(name)
             runner.routes = gate_here
             runner.parts = self.afd_split.moe_output_parts
             block = self.get_submodule(_parent(name))
