@@ -1,12 +1,20 @@
 """Environment variables read by vllm-afd: debug switches only.
 
 Configuration goes through ``additional_config["afd"]``; these variables
-change diagnostics, never behaviour a user relies on.
+are set by vllm-afd itself between its processes, carry the one secret that
+must not appear on a command line, or change diagnostics.
 
 ``AFD_SERVER_PID``
     Set by the plugin in the process that builds the vLLM config of an AFD
     run (the API server); inherited by its engine and worker processes. The
     FFN role signals it to stop the server when its attention peers shut down.
+``AFD_LAUNCHER_PID``
+    Set by ``vllm-afd launch`` in each role's environment: the role's server
+    stops (with its engine and worker processes) when that launcher is gone,
+    SIGKILL included (``vllm_afd.lifeline``).
+``AFD_SECRET``
+    The shared secret that authenticates the connector's rendezvous (HELLO
+    and JOIN); the same on every role. See docs/connector.md.
 ``AFD_KEEP_FFN_ALIVE``
     ``1`` keeps an FFN server running after its attention peers shut down
     (default: it stops itself).
@@ -32,6 +40,8 @@ from __future__ import annotations
 import os
 
 AFD_SERVER_PID = "AFD_SERVER_PID"
+AFD_LAUNCHER_PID = "AFD_LAUNCHER_PID"
+AFD_SECRET = "AFD_SECRET"
 AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
 AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
@@ -43,6 +53,15 @@ AFD_PROFILE_MODES = "AFD_PROFILE_MODES"
 def server_pid() -> int | None:
     value = os.environ.get(AFD_SERVER_PID)
     return int(value) if value and value.isdigit() else None
+
+
+def launcher_pid() -> int | None:
+    value = os.environ.get(AFD_LAUNCHER_PID)
+    return int(value) if value and value.isdigit() else None
+
+
+def secret() -> str | None:
+    return os.environ.get(AFD_SECRET) or None
 
 
 def mark_server_process() -> None:

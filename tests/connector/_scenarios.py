@@ -124,7 +124,9 @@ def _kill_self(threaded: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _connector(sc: Scenario, role: str, rank: int):
+def _connector(sc: Scenario, role: str, rank: int, **options: Any):
+    """The endpoint ``role`` rank ``rank`` of ``sc``; ``options`` are more
+    ``connector_extra_config`` keys (e.g. ``secret_file``)."""
     cfg = parse_afd_config(
         {
             "role": role,
@@ -138,6 +140,7 @@ def _connector(sc: Scenario, role: str, rank: int):
             "connector_extra_config": {
                 "timeout_s": sc.timeout_s,
                 "connect_timeout_s": sc.connect_timeout_s,
+                **options,
             },
         }
     )

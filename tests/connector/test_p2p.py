@@ -1,11 +1,16 @@
-"""p2p-only behaviour: ports in use, unreachable rendezvous."""
+"""p2p-only behaviour: ports in use, unreachable rendezvous, what listens
+where, who may join."""
 
 from __future__ import annotations
 
+import http.server
+import logging
 import os
 import socket
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +18,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _scenarios as S  # noqa: E402
 
-from vllm_afd.errors import AFDConnectorError, AFDTimeoutError  # noqa: E402
+from vllm_afd.connector import p2p_rendezvous, protocol  # noqa: E402
+from vllm_afd.errors import (  # noqa: E402
+    AFDConfigError,
+    AFDConnectorError,
+    AFDProtocolError,
+    AFDTimeoutError,
+)
 
 
 def test_port_in_use_names_address_and_fix():
@@ -55,21 +66,28 @@ def test_unreadable_fingerprint_is_rejected_with_its_reason():
     from vllm_afd.connector.p2p_wire import connect
 
     with connect("127.0.0.1", sc.port, time.monotonic() + 5, 5.0, "") as sock:
-        sock.sendall(protocol.encode(hello))
         sock.settimeout(5)
         buf = bytearray()
-        replies: list[dict] = []
-        while not replies:
-            chunk = sock.recv(65536)
-            assert chunk, "ffn rank 0 closed without a reply"
-            buf += chunk
-            replies = protocol.decode_frames(buf)
+        assert _frames(sock, buf)[0]["type"] == "WELCOME"
+        sock.sendall(protocol.encode(hello))
+        replies = _frames(sock, buf)
     t.join(10)
     assert replies[0]["type"] == "REJECT"
     assert "unreadable fingerprint" in replies[0]["reason"]
     assert "top_k" in replies[0]["reason"]
     assert len(raised) == 1 and isinstance(raised[0], AFDProtocolError)
     assert str(raised[0]) == replies[0]["reason"]
+
+
+def _frames(sock, buf: bytearray) -> list[dict]:
+    """The next complete frames from ``sock`` (at least one)."""
+    out: list[dict] = []
+    while not out:
+        chunk = sock.recv(65536)
+        assert chunk, "the listener closed without a reply"
+        buf += chunk
+        out = protocol.decode_frames(buf)
+    return out
 
 
 def test_unreachable_ffn_fails_after_connect_timeout():
@@ -197,3 +215,226 @@ def test_watch_peers_is_silent_after_the_watcher_closes():
     ffn.close()
     time.sleep(1.5)
     assert lost == []
+
+
+# ------------------------------------------------ what listens, who may join
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, _remote, state = line.split()[1:4]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+class _Endpoint(threading.Thread):
+    """Start one endpoint in a thread; ``error`` holds what it raised."""
+
+    def __init__(self, sc: S.Scenario, role: str, rank: int, **options) -> None:
+        super().__init__(daemon=True)
+        self.conn = S._connector(sc, role, rank, **options)
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.conn.start()
+            self.started.set()
+        except BaseException as e:  # noqa: BLE001 - read by the test thread
+            self.error = e
+
+    def wait_listening(self, port: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not _listening(port):
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            assert self.error is None, self.error
+            time.sleep(0.02)
+
+
+def test_rendezvous_and_store_listen_on_afd_host_only():
+    """ffn rank 0 binds afd.host:afd.port and the data-plane store at
+    afd.port+1 to afd.host (127.0.0.1) alone, not every interface."""
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=10.0)
+    ffn = _Endpoint(sc, "ffn", 0)
+    ffn.wait_listening(sc.port)
+    assert _listening(sc.port) == ["0100007F"]
+    assert _listening(sc.port + 1) == ["0100007F"]  # store, made before it
+    att = _Endpoint(sc, "attention", 0)
+    assert ffn.started.wait(20) and att.started.wait(20), (ffn.error, att.error)
+    att.conn.close()
+    ffn.conn.close()
+
+
+@pytest.fixture
+def warnings_log():
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, log = Keep(logging.WARNING), logging.getLogger("vllm_afd.connector")
+    log.addHandler(handler)
+    yield lines
+    log.removeHandler(handler)
+
+
+class _Silent(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _serve_in_thread(server) -> None:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("peer", ["http server", "talker", "closer"])
+def test_an_endpoint_fails_at_once_when_afd_port_is_not_vllm_afd(peer, monkeypatch):
+    """afd.port held by another program: an HTTP server (says nothing until
+    asked), one that talks first, one that hangs up. The endpoint fails
+    within the greeting wait, naming the address and what it got."""
+    monkeypatch.setattr(p2p_rendezvous, "GREETING_S", 1.0)
+    port = S.free_port()
+    if peer == "http server":
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Silent)
+        _serve_in_thread(server)
+        stop = server.shutdown
+        expect = "sent no vllm-afd greeting within 1s"
+    else:
+        listener = socket.create_server(("127.0.0.1", port))
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                if peer == "talker":
+                    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                conn.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        stop = listener.close
+        expect = {
+            "talker": "does not speak the vllm-afd protocol (it sent b'SSH-2.0",
+            "closer": "closed the connection without a vllm-afd greeting",
+        }[peer]
+    sc = S.Scenario("p2p", port, 1, 1, connect_timeout_s=30.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(AFDProtocolError) as e:
+            S._connector(sc, "attention", 0).start()
+    finally:
+        stop()
+    assert time.monotonic() - t0 < 5  # not connect_timeout_s
+    assert expect in str(e.value) and f"127.0.0.1:{port}" in str(e.value)
+    assert "check afd.port" in str(e.value)
+
+
+def test_ffn_rank_0_drops_a_peer_that_speaks_something_else(warnings_log):
+    """An HTTP request to the rendezvous port is dropped with a warning; the
+    rendezvous goes on and the real peer joins."""
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=20.0)
+    ffn = _Endpoint(sc, "ffn", 0)
+    ffn.wait_listening(sc.port)
+    with socket.create_connection(("127.0.0.1", sc.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk  # the WELCOME, then the hub hangs up
+    assert protocol.decode_frames(bytearray(data))[0]["type"] == "WELCOME"
+    att = _Endpoint(sc, "attention", 0)
+    assert ffn.started.wait(20) and att.started.wait(20), (ffn.error, att.error)
+    dropped = [m for m in warnings_log if "does not speak the vllm-afd" in m]
+    assert dropped and "b'GET /health" in dropped[0], warnings_log
+    att.conn.close()
+    ffn.conn.close()
+
+
+def _secret(tmp_path, name: str, value: str) -> str:
+    path = tmp_path / name
+    path.write_text(value + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("hub", "intruder", "reason"),
+    [
+        ("a", None, "has no shared secret, but this listener requires one"),
+        ("a", "b", "answered with another shared secret than this listener's"),
+        (None, "a", "has a shared secret but this listener has none"),
+    ],
+)
+def test_a_wrong_secret_refuses_that_endpoint_only(
+    tmp_path, warnings_log, hub, intruder, reason
+):
+    """ffn rank 0 refuses an endpoint without the right secret (it fails at
+    once, with the reason), logs it, and keeps waiting for the right one."""
+    files = {k: _secret(tmp_path, k, f"secret-{k}") for k in ("a", "b")}
+    opt = lambda k: {"secret_file": files[k]} if k else {}  # noqa: E731
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=20.0)
+    ffn = _Endpoint(sc, "ffn", 0, **opt(hub))
+    t0 = time.monotonic()
+    with pytest.raises(AFDProtocolError, match=reason):
+        S._connector(sc, "attention", 0, **opt(intruder)).start()
+    assert time.monotonic() - t0 < 5
+    assert any(reason in m and "refused" in m for m in warnings_log), warnings_log
+    att = _Endpoint(sc, "attention", 0, **opt(hub))
+    assert ffn.started.wait(20) and att.started.wait(20), (ffn.error, att.error)
+    att.conn.close()
+    ffn.conn.close()
+
+
+def test_a_shared_secret_admits_every_endpoint_of_2a2f(tmp_path, warnings_log):
+    """Both legs authenticate: attention ranks reach ffn rank 1 through
+    JOIN with the secret's answer to ffn rank 1's own nonce."""
+    secret = {"secret_file": _secret(tmp_path, "s", "s3cret")}
+    sc = S.Scenario("p2p", S.free_port(), 2, 2, connect_timeout_s=20.0)
+    endpoints = [
+        _Endpoint(sc, role, rank, **secret)
+        for role, rank in (("ffn", 0), ("ffn", 1), ("attention", 0), ("attention", 1))
+    ]
+    for ep in endpoints:
+        assert ep.started.wait(30), [e.error for e in endpoints]
+    assert not [m for m in warnings_log if "refused" in m or "dropped" in m]
+    for ep in endpoints[::-1]:
+        ep.conn.close()
+
+
+def test_secret_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("AFD_SECRET", "from-env")
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=20.0)
+    ffn = _Endpoint(sc, "ffn", 0)
+    att = _Endpoint(sc, "attention", 0)
+    assert ffn.started.wait(20) and att.started.wait(20), (ffn.error, att.error)
+    att.conn.close()
+    ffn.conn.close()
+    both = {"secret_file": _secret(tmp_path, "f", "x")}
+    with pytest.raises(AFDConfigError, match="set one of them"):
+        S._connector(sc, "attention", 0, **both).start()
+
+
+def test_rendezvous_off_loopback_without_secret_warns(warnings_log):
+    from vllm_afd.connector.p2p_control import P2PControlPlane
+    from vllm_afd.roles import AFDRole
+    from vllm_afd.topology import Topology
+
+    plane = P2PControlPlane(
+        host="10.255.255.1", port=S.free_port(), topology=Topology(1, 1),
+        role=AFDRole.ATTENTION, role_rank=0, timeout_s=1.0, connect_timeout_s=0.2,
+    )  # fmt: skip
+    with pytest.raises(AFDTimeoutError):
+        plane.start(S.fingerprint(S.Scenario("p2p", 1, 1, 1), "attention", 0))
+    assert any("not on loopback and has no shared secret" in m for m in warnings_log)

@@ -46,6 +46,7 @@ def test_extra_config_defaults_and_int_for_float():
         "connect_timeout_s": 600.0,
         "warmup_timeout_s": 600.0,
         "backend": "auto",
+        "secret_file": "",
     }
     out = validate_extra_config("P2pNcclAFDConnector", {"timeout_s": 5})
     assert out["timeout_s"] == 5.0 and isinstance(out["timeout_s"], float)
@@ -56,11 +57,15 @@ def test_extra_config_defaults_and_int_for_float():
     ("extra", "match"),
     [
         ({"timeout": 1}, r"connector_extra_config.timeout is not an option of "
-         r"connector 'p2p'; valid keys: backend, connect_timeout_s, timeout_s"),
+         r"connector 'p2p'; valid keys: backend, connect_timeout_s, secret_file, "
+         r"timeout_s"),
         ({"timeout_s": "5"}, r"timeout_s='5' has type str; it must be a number"),
         ({"timeout_s": True}, r"has type bool"),
         ({"timeout_s": 0}, r"must be > 0 seconds"),
         ({"backend": "mpi"}, r"backend='mpi' is not one of auto, gloo, nccl"),
+        ({"secret_file": "/nonexistent/afd-secret"}, r"secret_file='/nonexistent/"
+         r"afd-secret' cannot be read \(No such file or directory\)"),
+        ({"secret_file": 7}, r"secret_file=7 has type int; it must be a string"),
     ],
 )  # fmt: skip
 def test_extra_config_errors_name_key_and_fix(extra, match):
@@ -91,3 +96,10 @@ def test_create_connector_checks_rank_fingerprint_and_backend():
     )
     with pytest.raises(AFDConfigError, match="backend='nccl' moves cuda tensors"):
         create_connector(nccl, 0, _fp(num_attention_ranks=1))
+
+
+def test_an_empty_secret_file_is_refused(tmp_path):
+    empty = tmp_path / "secret"
+    empty.write_text("\n")
+    with pytest.raises(AFDConfigError, match=r"secret_file='.*secret' is empty"):
+        validate_extra_config("p2p", {"secret_file": str(empty)})

@@ -36,12 +36,14 @@ class Option:
         default: value used when the key is absent.
         doc: one line for docs and error messages.
         choices: allowed values of a ``str`` option, or None for any.
+        check: why a value (of the right kind) is unusable, or None.
     """
 
     kind: type
     default: Any
     doc: str
     choices: tuple[str, ...] | None = None
+    check: Callable[[Any], str | None] | None = None
 
 
 _TIMEOUTS = {
@@ -68,6 +70,12 @@ class ConnectorSpec:
     aliases: tuple[str, ...]
     options: Mapping[str, Option]
     build: Callable[..., AFDConnector]
+
+
+def _check_secret_file(path: str) -> str | None:
+    from vllm_afd.connector.auth import check_secret_file
+
+    return check_secret_file(path)
 
 
 def _build_p2p(*args: Any) -> AFDConnector:
@@ -99,6 +107,13 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 "auto",
                 "data plane: auto (nccl for cuda devices, else gloo), gloo, nccl",
                 ("auto", "gloo", "nccl"),
+            ),
+            "secret_file": Option(
+                str,
+                "",
+                "file holding the shared secret that authenticates the "
+                "rendezvous (or set AFD_SECRET); the same on every role",
+                check=_check_secret_file,
             ),
         },
         build=_build_p2p,
@@ -171,6 +186,9 @@ def _check_option(name: str, key: str, value: Any, opt: Option) -> Any:
         if value <= 0:
             raise AFDConfigError(f"{where} must be > 0 seconds")
         value = float(value)
+    why = opt.check(value) if opt.check is not None else None
+    if why is not None:
+        raise AFDConfigError(f"{where} {why}")
     return value
 
 

@@ -6,13 +6,15 @@ NCCL (CUDA tensors) process group (``p2p_data``) on a ``TCPStore`` at
 ``afd.port + 1``.
 
 Options (``connector_extra_config``): ``timeout_s`` (60), ``warmup_timeout_s``
-(600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl``).
+(600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl``),
+``secret_file`` (none; or the ``AFD_SECRET`` variable, see ``connector.auth``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_afd.connector import auth
 from vllm_afd.connector.connector import AFDConnector
 from vllm_afd.connector.p2p_control import P2PControlPlane
 from vllm_afd.connector.p2p_data import P2PDataPlane
@@ -58,6 +60,7 @@ def build(
         role_rank=role_rank,
         timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s,
+        secret=auth.load_secret(extra["secret_file"]),
     )
     data = P2PDataPlane(
         host=config.host,

@@ -10,19 +10,22 @@ thread ends an idle wait at once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import threading
 import time
 from collections.abc import Callable
 
-from vllm_afd.connector import p2p_rendezvous, protocol
+from vllm_afd.connector import auth, p2p_rendezvous, protocol
 from vllm_afd.connector.control import ControlPlane, Rendezvous
 from vllm_afd.connector.p2p_wire import Channel
 from vllm_afd.connector.protocol import Fingerprint, MsgType, StepPlan
 from vllm_afd.errors import AFDPeerError, AFDProtocolError, AFDTimeoutError
 from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 
 class P2PControlPlane(ControlPlane):
@@ -38,8 +41,10 @@ class P2PControlPlane(ControlPlane):
         role_rank: int,
         timeout_s: float,
         connect_timeout_s: float,
+        secret: bytes | None = None,
     ) -> None:
         self._host, self._port, self._topo = host, port, topology
+        self._secret = secret
         self._role, self._rank = role, role_rank
         self._timeout_s, self._connect_timeout_s = timeout_s, connect_timeout_s
         self._channels: list[Channel] = []
@@ -53,15 +58,21 @@ class P2PControlPlane(ControlPlane):
         self._closed = False
 
     def start(self, fingerprint: Fingerprint) -> Rendezvous:
+        if self._secret is None and not auth.is_loopback(self._host):
+            logger.warning(
+                "AFD rendezvous on %s:%d is not on loopback and has no shared "
+                "secret: any host that reaches it can join; set %s on every role",
+                self._host, self._port, auth.HOW,
+            )  # fmt: skip
         if self._role is AFDRole.FFN and self._rank == 0:
             joined = p2p_rendezvous.serve(
                 self._host, self._port, self._topo, fingerprint,
-                self._connect_timeout_s,
+                self._connect_timeout_s, self._secret,
             )  # fmt: skip
         else:
             joined = p2p_rendezvous.join(
                 self._host, self._port, self._topo, self._role, self._rank,
-                fingerprint, self._connect_timeout_s,
+                fingerprint, self._connect_timeout_s, self._secret,
             )  # fmt: skip
         self._channels = joined.channels
         return Rendezvous(joined.session, joined.local_host)

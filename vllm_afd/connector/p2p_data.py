@@ -1,7 +1,8 @@
 """Data plane of the p2p connector: a private Gloo or NCCL process group.
 
 Wraps ``torch.distributed.ProcessGroupGloo`` / ``ProcessGroupNCCL``, built
-directly on a ``TCPStore`` (hosted by ffn rank 0 at ``afd.port + 1``) under a
+directly on a ``TCPStore`` (hosted by ffn rank 0 at ``afd.host:afd.port + 1``,
+bound to that address only) under a
 ``PrefixStore`` named after the rendezvous session. The default process group
 is never touched: vLLM owns it in the same process.
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from vllm_afd.connector.control import Rendezvous
 from vllm_afd.connector.data import DataPlane, Work
+from vllm_afd.connector.p2p_wire import listen
 from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
 
 
@@ -94,10 +96,14 @@ class P2PDataPlane(DataPlane):
     def prepare(self) -> None:
         if self._rank != 0:
             return
+        # Bind the store to afd.host only (TCPStore alone binds every
+        # interface): hand it a socket listening there.
+        sock = listen(self._host, self._store_port)
         try:
             self._store = dist.TCPStore(
                 self._host, self._store_port, None, True,
                 _td(self._connect_timeout_s), wait_for_workers=False,
+                master_listen_fd=sock.detach(),
             )  # fmt: skip
         except (RuntimeError, OSError) as e:
             in_use = "in use" in str(e) or getattr(e, "errno", 0) == errno.EADDRINUSE

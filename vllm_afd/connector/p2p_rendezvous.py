@@ -3,17 +3,25 @@
 ::
 
     leg 1 (everyone <-> ffn 0 at afd.host:afd.port)
-      endpoint --HELLO(version, role, rank, fingerprint, listen)--> ffn 0
+      ffn 0 --WELCOME(magic, version, nonce)--> endpoint, on connect
+      endpoint --HELLO(version, role, rank, fingerprint, listen, auth)--> ffn 0
       ffn 0 waits for all A+F-1 endpoints, checks each HELLO, then
       ffn 0 --ACCEPT(session, ffn control addresses)--> every endpoint
       (or REJECT(reason, fields) to every endpoint, and raises itself)
 
     leg 2 (attention a <-> ffn k, only for k > 0)
-      attention a --JOIN(rank, session)--> ffn k --ACCEPT--> attention a
+      ffn k --WELCOME--> attention a --JOIN(rank, session, auth)--> ffn k
+      ffn k --ACCEPT--> attention a
 
 Attention ranks served by ffn 0 keep their leg-1 connection as control
 channel. Everyone retries its connects until the deadline, so roles may start
 in either order.
+
+An endpoint that gets no WELCOME within :data:`GREETING_S`, or bytes that
+are not the protocol, fails at once: what listens there is not vllm-afd. A
+listener drops a connection that speaks something else, and refuses (only)
+an endpoint whose ``auth`` does not answer its nonce with the shared secret
+(``connector.auth``), logging both; neither stops the rendezvous.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from vllm_afd.connector import protocol
+from vllm_afd.connector import auth, protocol
 from vllm_afd.connector.p2p_wire import (
     RENDEZVOUS_HINT,
     Channel,
@@ -45,6 +53,16 @@ from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
 
 logger = logging.getLogger(__name__)
+
+#: seconds an endpoint waits for a listener's WELCOME once connected
+GREETING_S = 10.0
+
+#: what to check when afd.host:afd.port is not ffn rank 0's rendezvous
+NOT_RENDEZVOUS_HINT = (
+    "afd.host:afd.port must be ffn rank 0's rendezvous, not an API server or "
+    "another program: check afd.port, and that ffn rank 0 runs the same "
+    "vllm-afd version"
+)
 
 
 @dataclass
@@ -120,11 +138,121 @@ def _check_hello(
     return key, None, []
 
 
+def _auth_failure(msg: dict, nonce: str, secret: bytes | None) -> str | None:
+    """Why the HELLO/JOIN ``msg`` does not authenticate, or None."""
+    role, rank, got = (
+        msg.get("role", "attention"),
+        msg.get("role_rank"),
+        msg.get("auth"),
+    )
+    who = f"{role} rank {rank}"
+    if secret is None:
+        if got:
+            return (
+                f"{who} has a shared secret but this listener has none: set the "
+                f"same secret ({auth.HOW}) on every role, or on none"
+            )
+        return None
+    if msg.get("version") != PROTOCOL_VERSION:
+        return (
+            f"{who} speaks connector protocol version {msg.get('version')}, this "
+            f"listener {PROTOCOL_VERSION}; install the same vllm-afd version on "
+            "every role"
+        )
+    if not got:
+        return (
+            f"{who} has no shared secret, but this listener requires one ({auth.HOW})"
+        )
+    if not isinstance(rank, int) or not auth.verify(secret, nonce, role, rank, got):
+        return (
+            f"{who} answered with another shared secret than this listener's: set "
+            f"the same secret ({auth.HOW}) on every role"
+        )
+    return None
+
+
+def _welcome(ch: Channel, secret: bytes | None) -> bool:
+    """Greet a new connection; False when it is already gone."""
+    ch.nonce = auth.new_nonce()
+    try:
+        ch.send(protocol.welcome(ch.nonce, secret is not None))
+    except AFDPeerError:
+        ch.close()
+        return False
+    return True
+
+
+def _drop(ch: Channel, why: str) -> None:
+    logger.warning("AFD rendezvous: dropped %s: %s", ch.peer, why)
+    ch.close()
+
+
+def _refuse(ch: Channel, reason: str) -> None:
+    logger.warning("AFD rendezvous: refused %s: %s", ch.peer, reason)
+    with contextlib.suppress(AFDPeerError):
+        ch.send(protocol.reject(reason, ["secret"]))
+    ch.close()
+
+
+def _greeting(ch: Channel, host: str, port: int, deadline: float) -> dict:
+    """The WELCOME of the listener at ``host:port``.
+
+    Raises:
+        AFDProtocolError: it sent none within :data:`GREETING_S`, or bytes
+            that are not the protocol: it is not a vllm-afd listener.
+    """
+    where = f"{host}:{port}"
+    wait = min(deadline, time.monotonic() + GREETING_S)
+    try:
+        msg = ch.recv(wait, "WELCOME", GREETING_S)
+    except AFDProtocolError:
+        raise AFDProtocolError(
+            f"{where} does not speak the vllm-afd protocol (it sent "
+            f"{ch.head!r}). {NOT_RENDEZVOUS_HINT}"
+        ) from None
+    except AFDTimeoutError:
+        raise AFDProtocolError(
+            f"{where} accepted the connection but sent no vllm-afd greeting within "
+            f"{GREETING_S:.0f}s: it is not a vllm-afd rendezvous of protocol "
+            f"{PROTOCOL_VERSION}. {NOT_RENDEZVOUS_HINT}"
+        ) from None
+    except AFDPeerError:
+        raise AFDProtocolError(
+            f"{where} closed the connection without a vllm-afd greeting "
+            f"(it sent {ch.head!r}). {NOT_RENDEZVOUS_HINT}"
+        ) from None
+    if msg.get("type") != MsgType.WELCOME.value or msg.get("magic") != protocol.MAGIC:
+        raise AFDProtocolError(
+            f"{where} sent {msg.get('type')} before any WELCOME: it is not a "
+            f"vllm-afd listener. {NOT_RENDEZVOUS_HINT}"
+        )
+    return msg
+
+
+def _answer(
+    welcome: dict, secret: bytes | None, role: AFDRole, rank: int
+) -> str | None:
+    if secret is None:
+        return None
+    return auth.tag(secret, str(welcome.get("nonce", "")), role.value, rank)
+
+
 def serve(
-    host: str, port: int, topo: Topology, fp: Fingerprint, connect_timeout_s: float
+    host: str,
+    port: int,
+    topo: Topology,
+    fp: Fingerprint,
+    connect_timeout_s: float,
+    secret: bytes | None = None,
 ) -> Joined:
     """FFN rank 0: run leg 1 as the hub."""
     listener = listen(host, port)
+    logger.info(
+        "AFD rendezvous: ffn rank 0 listening on %s:%d for %d endpoints "
+        "(connect_timeout_s=%.0f, shared secret: %s)",
+        host, port, topo.world_size - 1, connect_timeout_s,
+        "yes" if secret is not None else "no",
+    )  # fmt: skip
     deadline = time.monotonic() + connect_timeout_s
     expected = {topo.role_of(g) for g in range(1, topo.world_size)}
     seen: dict[tuple[AFDRole, int], Channel] = {}
@@ -149,17 +277,25 @@ def serve(
             ready, _, _ = select.select([listener, *fresh], [], [], wait)
             for r in ready:
                 if r is listener:
-                    sock, _addr = listener.accept()
-                    fresh.append(Channel(sock, "a connecting endpoint"))
+                    sock, addr = listener.accept()
+                    ch = Channel(sock, f"the connection from {addr[0]}:{addr[1]}")
+                    if _welcome(ch, secret):
+                        fresh.append(ch)
                     continue
                 ch: Channel = r  # type: ignore[assignment]
                 try:
                     ch.fill()
                 except AFDProtocolError:
-                    ch.eof = True  # not a vllm-afd peer: drop it
+                    fresh.remove(ch)
+                    _drop(ch, f"it does not speak the vllm-afd protocol ({ch.head!r})")
+                    continue
                 if ch.inbox and ch.inbox[0].get("type") == MsgType.HELLO.value:
                     msg = ch.inbox.popleft()
                     fresh.remove(ch)
+                    why = _auth_failure(msg, ch.nonce, secret)
+                    if why is not None:
+                        _refuse(ch, why)
+                        continue
                     key, reason, fields = _check_hello(msg, topo, fp, seen)
                     if reason is not None:
                         _reject_all([ch, *seen.values(), *fresh], reason, fields)
@@ -169,7 +305,11 @@ def serve(
                     if key[0] is AFDRole.FFN:
                         lhost, lport = msg["listen"]
                         listens[key[1]] = (lhost or ch.sock.getpeername()[0], lport)
-                elif ch.eof or ch.inbox:
+                elif ch.inbox:
+                    fresh.remove(ch)
+                    kind = ch.inbox[0].get("type")
+                    _drop(ch, f"it sent {kind} where a HELLO belongs")
+                elif ch.eof:
                     fresh.remove(ch)
                     ch.close()
         session = uuid.uuid4().hex[:12]
@@ -208,6 +348,7 @@ def join(
     rank: int,
     fp: Fingerprint,
     connect_timeout_s: float,
+    secret: bytes | None = None,
 ) -> Joined:
     """Every endpoint but ffn rank 0: legs 1 and 2."""
     deadline = time.monotonic() + connect_timeout_s
@@ -216,11 +357,13 @@ def join(
     local_host = hub.sock.getsockname()[0]
     own: socket.socket | None = None
     try:
+        welcome = _greeting(hub, host, port, deadline)
         listen_addr = None
         if role is AFDRole.FFN:
             own = listen(local_host, 0)
             listen_addr = (local_host, own.getsockname()[1])
-        hub.send(protocol.hello(role.value, rank, fp, listen_addr))
+        answer = _answer(welcome, secret, role, rank)
+        hub.send(protocol.hello(role.value, rank, fp, listen_addr, answer))
         logger.info(
             "AFD rendezvous: %s connected to ffn rank 0 at %s:%d; waiting for "
             "ACCEPT (sent once all %d endpoints have joined)",
@@ -235,7 +378,9 @@ def join(
         if role is AFDRole.FFN:
             hub.close()
             assert own is not None
-            chans = _accept_joins(own, topo, rank, session, deadline, connect_timeout_s)
+            chans = _accept_joins(
+                own, topo, rank, session, deadline, connect_timeout_s, secret
+            )
             return Joined(session, local_host, chans)
         k = topo.ffn_peer(rank)
         if k == 0:
@@ -248,7 +393,12 @@ def join(
         )
         sock = connect(fhost, fport, deadline, connect_timeout_s, hint)
         ch = Channel(sock, f"ffn rank {k}")
-        ch.send(protocol.join(rank, session))
+        try:
+            welcome = _greeting(ch, fhost, fport, deadline)
+            ch.send(protocol.join(rank, session, _answer(welcome, secret, role, rank)))
+        except BaseException:
+            ch.close()
+            raise
         _await_reply(ch, deadline, connect_timeout_s, "the JOIN reply")
         return Joined(session, ch.sock.getsockname()[0], [ch])
     except BaseException:
@@ -266,6 +416,7 @@ def _accept_joins(
     session: str,
     deadline: float,
     timeout_s: float,
+    secret: bytes | None = None,
 ) -> list[Channel]:
     """FFN rank k > 0: leg 2, one JOIN per attention peer."""
     peers = list(topo.attention_peers(rank))
@@ -280,16 +431,25 @@ def _accept_joins(
                 f"timed out after {timeout_s}s waiting for attention ranks "
                 f"{missing} to join ffn rank {rank}"
             )
-        sock, _ = own.accept()
-        ch = Channel(sock, "a joining endpoint")
+        sock, addr = own.accept()
+        ch = Channel(sock, f"the connection from {addr[0]}:{addr[1]}")
+        if not _welcome(ch, secret):
+            continue
         try:
             msg = ch.recv(min(deadline, time.monotonic() + 10), "JOIN", timeout_s)
-        except (AFDPeerError, AFDTimeoutError, AFDProtocolError):
+        except AFDProtocolError:
+            _drop(ch, f"it does not speak the vllm-afd protocol ({ch.head!r})")
+            continue
+        except (AFDPeerError, AFDTimeoutError):
             ch.close()
             continue
         a = msg.get("role_rank")
         if msg["type"] != MsgType.JOIN.value or msg.get("session") != session:
-            ch.close()
+            _drop(ch, f"it sent {msg['type']} without this rendezvous' session")
+            continue
+        why = _auth_failure(msg, ch.nonce, secret)
+        if why is not None:
+            _refuse(ch, why)
             continue
         if a not in peers or a in got:
             reason = f"attention rank {a} may not join ffn rank {rank} (peers {peers})"

@@ -118,6 +118,10 @@ class Channel:
         self.sock, self.peer = sock, peer
         self.inbox: deque[dict[str, Any]] = deque()
         self.eof = False
+        #: the nonce this side sent in its WELCOME (listeners only)
+        self.nonce = ""
+        #: the first bytes the peer sent, for "does not speak the protocol"
+        self.head = b""
         self._buf = bytearray()
 
     def fileno(self) -> int:
@@ -148,6 +152,8 @@ class Channel:
             if not chunk:
                 self.eof = True
                 return
+            if len(self.head) < 48:
+                self.head += chunk[: 48 - len(self.head)]
             self._buf += chunk
             self.inbox.extend(protocol.decode_frames(self._buf))
 

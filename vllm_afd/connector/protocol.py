@@ -10,10 +10,13 @@ Dimensions used in this package::
 
 Control messages are JSON objects framed by a 4-byte big-endian length::
 
-    HELLO     endpoint -> ffn 0   version, role, role_rank, fingerprint, listen
+    WELCOME   listener -> peer    magic, version, nonce, whether a secret is
+                                  required (first frame on every connection)
+    HELLO     endpoint -> ffn 0   version, role, role_rank, fingerprint, listen,
+                                  auth (the secret's answer to the nonce)
     ACCEPT    ffn 0 -> endpoint   session id, control address of every FFN rank
     REJECT    ffn 0 -> endpoint   reason, differing fingerprint fields
-    JOIN      attention -> ffn k  role_rank, session (second leg, k > 0)
+    JOIN      attention -> ffn k  role_rank, session, auth (second leg, k > 0)
     PLAN      attention -> ffn    step_id, mode, ubatch_tokens
     SHUTDOWN  either way          reason
 
@@ -37,7 +40,10 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+
+#: the first field of every WELCOME: tells a vllm-afd listener from any other
+MAGIC = "vllm-afd"
 
 # Frames larger than this are not control messages: the peer speaks another
 # protocol (or is not a vllm-afd endpoint at all).
@@ -48,6 +54,7 @@ _LEN = struct.Struct(">I")
 class MsgType(str, enum.Enum):
     """Control-plane message types."""
 
+    WELCOME = "WELCOME"
     HELLO = "HELLO"
     ACCEPT = "ACCEPT"
     REJECT = "REJECT"
@@ -314,8 +321,22 @@ def decode(body: bytes) -> dict[str, Any]:
     return msg
 
 
+def welcome(nonce: str, secret_required: bool) -> dict[str, Any]:
+    return {
+        "type": MsgType.WELCOME.value,
+        "magic": MAGIC,
+        "version": PROTOCOL_VERSION,
+        "nonce": nonce,
+        "secret_required": secret_required,
+    }
+
+
 def hello(
-    role: str, role_rank: int, fingerprint: Fingerprint, listen: tuple[str, int] | None
+    role: str,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    listen: tuple[str, int] | None,
+    auth: str | None = None,
 ) -> dict[str, Any]:
     return {
         "type": MsgType.HELLO.value,
@@ -324,6 +345,7 @@ def hello(
         "role_rank": role_rank,
         "fingerprint": fingerprint.to_wire(),
         "listen": list(listen) if listen else None,
+        "auth": auth,
     }
 
 
@@ -340,8 +362,14 @@ def reject(reason: str, fields: list[str] | None = None) -> dict[str, Any]:
     return {"type": MsgType.REJECT.value, "reason": reason, "fields": fields or []}
 
 
-def join(role_rank: int, session: str) -> dict[str, Any]:
-    return {"type": MsgType.JOIN.value, "role_rank": role_rank, "session": session}
+def join(role_rank: int, session: str, auth: str | None = None) -> dict[str, Any]:
+    return {
+        "type": MsgType.JOIN.value,
+        "version": PROTOCOL_VERSION,
+        "role_rank": role_rank,
+        "session": session,
+        "auth": auth,
+    }
 
 
 def shutdown(reason: str) -> dict[str, Any]:
