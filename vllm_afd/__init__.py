@@ -21,6 +21,9 @@ def register() -> None:
     when AFD is actually requested.
     """
     global _registered, _registration_error
+    from vllm_afd import lifeline
+
+    lifeline.install()  # per process: a forked child inherits _registered
     if _registered:
         return
     _registered = True
@@ -29,6 +32,10 @@ def register() -> None:
         from vllm_afd.compat import engine_config
 
         engine_config.install()
+        from vllm_afd import envs
+
+        if envs.server_pid() is not None:  # an engine or worker of an AFD server
+            engine_config.register_afd_models()
     except Exception as exc:  # stored, re-raised when AFD is requested
         _registration_error = exc
 

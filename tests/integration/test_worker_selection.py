@@ -135,7 +135,9 @@ def test_create_engine_config_auto_worker_maps_to_afd_cpu_worker_of_role(
 ) -> None:
     config = _engine_args(checkpoint, {"role": role}).create_engine_config()
     assert config.parallel_config.worker_cls == worker
-    assert config.model_config.model_class_overrides == afd_model_classes()
+    # registered the plugin way, not through the development-only overrides
+    assert config.model_config.model_class_overrides == {}
+    assert _registered_afd_classes() == afd_model_classes()
     # The normalised afd config travels to the workers as plain values.
     afd = config.additional_config["afd"]
     assert type(afd) is dict
@@ -152,7 +154,21 @@ def test_create_engine_config_afd_merges_user_model_overrides(
         checkpoint, {"role": "attention"}, model_class_overrides=dict(user)
     )
     config = args.create_engine_config()
-    assert config.model_config.model_class_overrides == {**afd_model_classes(), **user}
+    assert config.model_config.model_class_overrides == user
+    assert _registered_afd_classes() == afd_model_classes()
+
+
+def _registered_afd_classes() -> dict[str, str]:
+    """Architecture -> ``module:Class`` of vLLM's registry entries that name
+    an AFD class."""
+    from vllm import ModelRegistry
+
+    found = {}
+    for arch, entry in ModelRegistry.models.items():
+        module = getattr(entry, "module_name", "")
+        if module.startswith("vllm_afd."):
+            found[arch] = f"{module}:{entry.class_name}"
+    return found
 
 
 @pytest.mark.parametrize(

@@ -241,3 +241,77 @@ def test_attention_gpus_that_do_not_split_over_the_ranks_are_refused() -> None:
     spec = DeploymentSpec(model="m", attention_ranks=3, attention_devices="0,1")
     with pytest.raises(LaunchError, match="lists 2 GPUs for 3 attention ranks"):
         role_processes(spec)
+
+
+@pytest.mark.parametrize(
+    ("flags", "role_args", "bound", "url"),
+    [
+        ([], [], "127.0.0.1", "http://127.0.0.1:9000"),
+        (["--api-host", "0.0.0.0"], [], "0.0.0.0", "http://127.0.0.1:9000"),
+        (["--api-host", "::1"], [], "::1", "http://[::1]:9000"),
+        ([], ["--host", "10.1.2.3"], "10.1.2.3", "http://10.1.2.3:9000"),
+    ],
+)
+def test_every_role_binds_the_api_host_and_its_url_says_where(
+    flags, role_args, bound, url
+) -> None:
+    """``--api-host`` reaches every role's ``vllm serve --host``; a ``--host``
+    among the vLLM arguments comes later on the command line and wins."""
+    args = cli.build_parser().parse_args(["launch", "M", "--port", "9000", *flags])
+    spec = DeploymentSpec.from_args(args, role_args)
+    spec.cpu_workaround = False
+    for proc in role_processes(spec):
+        hosts = [proc.argv[i + 1] for i, a in enumerate(proc.argv) if a == "--host"]
+        assert hosts[-1] == bound and proc.host == bound
+    attention = role_processes(spec)[-1]
+    assert attention.url == url
+
+
+@pytest.mark.parametrize(
+    ("api_host", "line"),
+    [
+        ("127.0.0.1", "AFD 2A1F ready: http://127.0.0.1:9000/v1"),
+        (
+            "0.0.0.0",
+            "AFD 2A1F ready: http://127.0.0.1:9000/v1 (the API listens on all "
+            "interfaces, 0.0.0.0)",
+        ),
+    ],
+)
+def test_ready_line_is_the_url_a_local_client_uses(api_host, line) -> None:
+    from vllm_afd.cli.launch import Deployment, ready_line
+
+    spec = DeploymentSpec(
+        model="m", attention_ranks=2, port=9000, api_host=api_host, cpu_workaround=False
+    )
+    assert ready_line(Deployment(spec, log=None)) == line
+
+
+def test_launch_help_shows_every_default_and_documents_every_flag(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in [
+        ("--attention-ranks", "1"), ("--ffn-ranks", "1"), ("--port", "8000"),
+        ("--api-host", "127.0.0.1"), ("--host", "127.0.0.1"),
+        ("--afd-port", "29650"), ("--connector", "p2p"), ("--ubatches", "1"),
+        ("--ready-timeout", "600.0"),
+    ]:  # fmt: skip
+        assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(default)}\)", text), (
+            flag
+        )
+    parser = cli.build_parser()
+    launch = next(
+        a
+        for a in parser._subparsers._group_actions[0].choices.items()
+        if a[0] == "launch"
+    )[1]
+    undocumented = [a.dest for a in launch._actions if not a.help]
+    assert undocumented == [], undocumented
+
+
+def test_role_processes_carry_the_launcher_pid(monkeypatch) -> None:
+    import os
+
+    for proc in role_processes(DeploymentSpec(model="m", cpu_workaround=False)):
+        assert proc.env["AFD_LAUNCHER_PID"] == str(os.getpid())

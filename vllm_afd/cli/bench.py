@@ -47,6 +47,7 @@ from vllm_afd.cli.launch import (
     LaunchError,
     PlainServer,
     add_device_flags,
+    add_topology_flags,
 )
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.models.layout import parse_model_line
@@ -70,13 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="an FFN rank's API server (FFN counters); repeat for every FFN rank",
     )
     t.add_argument("--baseline-url", help="a running plain vLLM on the same model")
-    t.add_argument("-A", "--attention-ranks", type=int, default=1)
-    t.add_argument("-F", "--ffn-ranks", type=int, default=1)
+    add_topology_flags(t)
     t.add_argument("--baseline-devices", type=int, default=1)
     t.add_argument("--connector", default="p2p")
-    t.add_argument("--gate-on-attention", action="store_true")
     t.add_argument("--ubatches", type=int, default=1, help="afd.num_ubatches")
-    t.add_argument("--connector-extra-config", type=json.loads, default={})
     t.add_argument("--port", type=int, default=8000, help="API port (launch mode)")
     t.add_argument("--ffn-port", type=int, default=None)
     t.add_argument("--afd-port", type=int, default=DEFAULT_PORT)

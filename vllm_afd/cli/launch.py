@@ -24,8 +24,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
+from vllm_afd.cli import placement
+from vllm_afd.cli.placement import Placement, PlacementError
 from vllm_afd.config import DEFAULT_PORT
 
 #: CPU work-around for vLLM 0.32.0's rotary kernel on DeepSeek (see docs).
@@ -44,12 +47,15 @@ class RoleProcess:
     argv: list[str]
     port: int
     env: dict[str, str]
+    host: str = "127.0.0.1"
+    headless: bool = False  # vLLM --headless: no API server, nothing to probe
     proc: subprocess.Popen[bytes] | None = None
     _pump: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Where this machine reaches the server's API."""
+        return f"http://{connect_host(self.host)}:{self.port}"
 
     def start(self, log: IO[str] | None) -> None:
         self.proc = subprocess.Popen(
@@ -70,6 +76,8 @@ class RoleProcess:
         return None if self.proc is None else self.proc.poll()
 
     def healthy(self) -> bool:
+        if self.headless:
+            return self.exit_code() is None
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
                 return resp.status == 200
@@ -77,14 +85,82 @@ class RoleProcess:
             return False
 
     def stop(self, timeout: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the role's process group (as Ctrl-C reaches every process
+        of a terminal's job: the workers close their connectors, which tells
+        the peers), SIGKILL the group when the server is not gone after
+        ``timeout`` s, or what is left of it :data:`GROUP_GRACE_S` after."""
+        self.request_stop()
+        self.finish_stop(time.monotonic() + timeout)
+
+    def request_stop(self) -> None:
+        """SIGTERM the role's process group (first half of :meth:`stop`)."""
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+
+    def finish_stop(self, deadline: float) -> None:
+        """Wait for the server until ``deadline`` (monotonic), then SIGKILL
+        the group; what is left of it :data:`GROUP_GRACE_S` later too."""
+        if self.proc is None:
             return
-        _signal_group(self.proc, signal.SIGTERM)
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             _signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(10)
+        deadline = time.monotonic() + GROUP_GRACE_S
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_group(self.proc, signal.SIGKILL)
+
+
+#: seconds a role's engine and workers may outlive its server when it stops
+GROUP_GRACE_S = 5.0
+#: seconds a role that is still starting gets to stop on SIGTERM (vLLM 0.32.0
+#: defers SIGTERM while its API server waits for the engine to be ready)
+STARTING_STOP_S = 5.0
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``; on systems
+    without ``/proc``, ``[pgid]`` while the group has any member."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [pgid]
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # after the command name, which may hold spaces and parentheses
+            state, _ppid, group = (
+                (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            )
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+#: addresses a server binds on every interface of
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def connect_host(bind_host: str) -> str:
+    """The address a local client uses for a server bound to ``bind_host``."""
+    if bind_host in WILDCARD_HOSTS:
+        return "127.0.0.1"
+    return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -120,6 +196,7 @@ class DeploymentSpec:
     ffn_port: int | None = None
     afd_port: int = DEFAULT_PORT
     host: str = "127.0.0.1"
+    api_host: str | None = None  # None: 127.0.0.1, across hosts the node's
     connector: str = "p2p"
     gate_on_attention: bool = False
     ubatches: int = 1
@@ -130,20 +207,56 @@ class DeploymentSpec:
     attention_devices: str | None = None
     ffn_devices: str | None = None
     cpu_workaround: bool | None = None  # None: when no CUDA device is visible
+    # across hosts (``vllm_afd.cli.placement``); None: everything on this one
+    hosts: tuple[str, ...] | None = None
+    node_rank: int = 0
+    attention_nodes: tuple[int, ...] | None = None
+    ffn_nodes: tuple[int, ...] | None = None
+    dp_rpc_port: int | None = None  # None: afd_port + 2
+
+    def placement(self) -> Placement:
+        """Node of every rank (everything on node 0 without ``hosts``).
+
+        Raises:
+            PlacementError: see :meth:`Placement.make`.
+        """
+        if self.hosts is None:
+            return Placement.single(self.attention_ranks, self.ffn_ranks)
+        return Placement.make(
+            self.hosts, self.attention_ranks, self.ffn_ranks,
+            self.attention_nodes, self.ffn_nodes,
+        )  # fmt: skip
+
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts is not None and len(self.hosts) > 1
+
+    def node_api_host(self, node: int) -> str:
+        """What the API servers of ``node`` bind when ``api_host`` is unset."""
+        if self.api_host is not None:
+            return self.api_host
+        return self.placement().hosts[node] if self.multi_host else "127.0.0.1"
 
     @classmethod
     def from_args(
         cls, args: argparse.Namespace, vllm_args: list[str]
     ) -> DeploymentSpec:
         """The spec described by the ``launch`` / ``bench`` command lines."""
+        hosts = getattr(args, "hosts", None)
         return cls(
             model=args.model,
+            hosts=tuple(hosts.split(",")) if hosts else None,
+            node_rank=getattr(args, "resolved_node_rank", 0),
+            attention_nodes=_nodes(getattr(args, "attention_nodes", None)),
+            ffn_nodes=_nodes(getattr(args, "ffn_nodes", None)),
+            dp_rpc_port=getattr(args, "dp_rpc_port", None),
             attention_ranks=args.attention_ranks,
             ffn_ranks=args.ffn_ranks,
             port=args.port,
             ffn_port=args.ffn_port,
             afd_port=args.afd_port,
             host=getattr(args, "host", cls.host),
+            api_host=getattr(args, "api_host", cls.api_host),
             connector=args.connector,
             gate_on_attention=args.gate_on_attention,
             ubatches=getattr(args, "ubatches", 1),
@@ -219,7 +332,7 @@ class DeploymentSpec:
         return {
             "role": role,
             "connector": self.connector,
-            "host": self.host,
+            "host": self.placement().afd_host if self.multi_host else self.host,
             "port": self.afd_port,
             "num_attention_ranks": self.attention_ranks,
             "num_ffn_ranks": self.ffn_ranks,
@@ -228,6 +341,17 @@ class DeploymentSpec:
             **({"num_ubatches": self.ubatches} if split else {}),
             **({"attention_ranks_per_device": per_device} if per_device > 1 else {}),
         }
+
+
+def _nodes(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise PlacementError(
+            f"{value!r} is not a list of node ranks, e.g. 0,0,1"
+        ) from None
 
 
 def _device_list(flag: str, value: str | None) -> list[str] | None:
@@ -281,59 +405,99 @@ def _wants_cpu_workaround(spec: DeploymentSpec) -> bool:
         return True
 
 
-def serve_argv(model: str, port: int, extra: Sequence[str]) -> list[str]:
-    """argv of one ``vllm-afd serve`` process."""
+def serve_argv(
+    model: str, port: int, extra: Sequence[str], host: str = "127.0.0.1"
+) -> list[str]:
+    """argv of one ``vllm-afd serve`` process, its API bound to ``host``."""
     return [
         sys.executable,
         "-m",
         "vllm_afd.cli.main",
         "serve",
         model,
+        "--host",
+        host,
         "--port",
         str(port),
         *extra,
     ]
 
 
+def api_host_of(spec: DeploymentSpec, role_args: Sequence[str], node: int = 0) -> str:
+    """The API bind address of a role: a ``--host`` among its vLLM arguments
+    (they come last on its command line, so vLLM takes it), else the spec's."""
+    given = vllm_arg([*role_args, *spec.vllm_args], "--host")
+    return given if given is not None else spec.node_api_host(node)
+
+
 def child_env(devices: str | None) -> dict[str, str]:
     """A server process's own environment: this one's, without the parent
-    server's pid, with ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is."""
+    server's pid, with this launcher's pid (``AFD_LAUNCHER_PID``: the role
+    stops when the launcher is gone, see ``vllm_afd.lifeline``) and
+    ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is."""
     env = dict(os.environ)
     env.pop("AFD_SERVER_PID", None)
+    env["AFD_LAUNCHER_PID"] = str(os.getpid())
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     return env
 
 
-def role_processes(spec: DeploymentSpec) -> list[RoleProcess]:
-    """The processes of ``spec``: FFN ranks first (FFN 0 hosts the rendezvous).
+def role_processes(
+    spec: DeploymentSpec, node: int | None = None, *, check_local: bool = True
+) -> list[RoleProcess]:
+    """The processes of ``spec`` on ``node`` (default: the spec's node
+    rank): FFN ranks first (FFN 0 hosts the rendezvous).
 
     One ``vllm serve`` per FFN rank (``afd.rank``; ports ``ffn_port + k``) and
-    one for the attention role, with ``--data-parallel-size M`` when M > 1.
+    one for the attention role, with ``--data-parallel-size M`` when M > 1;
+    across hosts, one attention server per node that holds attention ranks
+    (``Placement.attention_flags``), and every process gets its node's
+    address and interface (``placement.node_env``; ``check_local``: that
+    address must be this host's).
+
+    Raises:
+        PlacementError: the placement is not valid, or (``check_local``)
+            this node's address is not this host's.
     """
+    node = spec.node_rank if node is None else node
+    place = spec.placement()
+    node_vars = (
+        placement.node_env(place.hosts[node], check_local=check_local)
+        if spec.multi_host
+        else {}
+    )
     common = list(spec.vllm_args)
     if _wants_cpu_workaround(spec):
         common += ["--compilation-config", CPU_COMPILATION_CONFIG]
     ffn_port = spec.ffn_port or spec.port + 1
     attention_devices, ffn_devices = spec.role_devices()
     procs = []
-    for k in range(spec.ffn_ranks):
+    for k in place.ffn_ranks_on(node):
         afd = spec.afd_config("ffn")
         if spec.ffn_ranks > 1:
             afd["rank"] = k
         extra = ["--additional-config", json.dumps({"afd": afd})]
         name = "ffn" if spec.ffn_ranks == 1 else f"ffn{k}"
-        argv = serve_argv(spec.model, ffn_port + k, extra + spec.ffn_args + common)
-        env = child_env(ffn_devices[k])
-        procs.append(RoleProcess(name, argv, ffn_port + k, env))
+        host = api_host_of(spec, spec.ffn_args, node)
+        argv = serve_argv(
+            spec.model, ffn_port + k, extra + spec.ffn_args + common, host
+        )
+        env = {**child_env(ffn_devices[k]), **node_vars}
+        procs.append(RoleProcess(name, argv, ffn_port + k, env, host))
+    if not place.attention_ranks_on(node):
+        return procs
     afd = spec.afd_config("attention")
     extra = ["--additional-config", json.dumps({"afd": afd})]
-    if spec.attention_ranks > 1:
-        extra += ["--data-parallel-size", str(spec.attention_ranks)]
+    extra += place.attention_flags(node, spec.dp_rpc_port or spec.afd_port + 2)
     extra += shared_gpu_memory_args(spec, afd.get("attention_ranks_per_device", 1))
-    argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common)
-    env = child_env(attention_devices)
-    procs.append(RoleProcess("attention", argv, spec.port, env))
+    host = api_host_of(spec, spec.attention_args, node)
+    argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common, host)
+    env = {**child_env(attention_devices), **node_vars}
+    headless = node != place.attention_leader
+    procs.append(
+        RoleProcess("attention", argv, spec.port, env, host, headless=headless)
+    )
     return procs
 
 
@@ -344,6 +508,7 @@ class Deployment:
         self.spec = spec
         self.log = log
         self.processes = role_processes(spec)
+        self.ready = False
 
     @property
     def api_url(self) -> str:
@@ -351,7 +516,15 @@ class Deployment:
 
     @property
     def attention(self) -> RoleProcess:
-        return next(p for p in self.processes if p.name == "attention")
+        """The attention server of this node.
+
+        Raises:
+            LaunchError: this node runs no attention rank.
+        """
+        found = next((p for p in self.processes if p.name == "attention"), None)
+        if found is None:
+            raise LaunchError(f"node {self.spec.node_rank} runs no attention rank")
+        return found
 
     @property
     def ffns(self) -> list[RoleProcess]:
@@ -380,6 +553,7 @@ class Deployment:
             proc.start(self.log)
         deadline = time.monotonic() + ready_timeout
         waiting = list(self.processes)
+        self.ready = False
         while waiting:
             self.check_alive()
             waiting = [p for p in waiting if not p.healthy()]
@@ -391,6 +565,7 @@ class Deployment:
                     "become healthy"
                 )
             time.sleep(0.5)
+        self.ready = True
 
     def dead(self) -> RoleProcess | None:
         return next((p for p in self.processes if p.exit_code() is not None), None)
@@ -403,7 +578,17 @@ class Deployment:
             raise LaunchError(f"the {dead.name} process exited with code {code}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        # Attention first: its shutdown tells the FFN to stop.
+        """Stop every role. A ready deployment stops attention first (its
+        shutdown tells the FFN ranks to stop), each role within ``timeout``
+        s; one still starting stops all roles at once, within
+        :data:`STARTING_STOP_S`."""
+        if not self.ready:
+            for proc in self.processes:
+                proc.request_stop()
+            deadline = time.monotonic() + min(timeout, STARTING_STOP_S)
+            for proc in self.processes:
+                proc.finish_stop(deadline)
+            return
         for proc in reversed(self.processes):
             proc.stop(timeout)
 
@@ -415,45 +600,60 @@ class Deployment:
         self.stop()
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each flag's default, unless it has none or says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, [], {}, False) or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
         help="start and supervise an AFD deployment",
         description="Start every role process, wait until ready, print the API "
-        "URL; stop all on Ctrl-C or when one dies. Arguments after `--` go to "
-        "every `vllm serve`.",
+        "URL; stop all on Ctrl-C, SIGTERM, or when one dies. Arguments after "
+        "`--` go to every `vllm serve`.",
+        formatter_class=DefaultsHelp,
     )
-    p.add_argument("model")
-    p.add_argument("-A", "--attention-ranks", type=int, default=1)
-    p.add_argument("-F", "--ffn-ranks", type=int, default=1)
+    p.add_argument("model", help="model directory or name, as for vllm serve")
+    add_topology_flags(p)
+    p.add_argument(
+        "--api-host",
+        default=None,
+        help="address every role's API server binds (vllm serve --host; "
+        "0.0.0.0 for all interfaces) (default: 127.0.0.1; across hosts this "
+        "node's address in --hosts)",
+    )
     p.add_argument("--port", type=int, default=8000, help="attention API port")
     p.add_argument(
-        "--ffn-port", type=int, default=None, help="FFN API port (default: --port + 1)"
+        "--ffn-port",
+        type=int,
+        default=None,
+        help="API port of FFN rank 0, rank k on --ffn-port + k (default: --port + 1)",
     )
     p.add_argument(
         "--afd-port",
         type=int,
         default=DEFAULT_PORT,
-        help="connector rendezvous port (afd.port)",
+        help="connector rendezvous port (afd.port; the data-plane store "
+        "takes afd.port + 1)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="connector host (afd.host)")
-    p.add_argument("--connector", default="p2p")
     p.add_argument(
-        "--gate-on-attention",
-        action="store_true",
-        help="set afd.compute_gate_on_attention",
+        "--host",
+        default="127.0.0.1",
+        help="connector address (afd.host): FFN rank 0 binds the rendezvous "
+        "and the data-plane store there",
     )
+    p.add_argument("--connector", default="p2p", help="connector (afd.connector)")
     p.add_argument(
         "--ubatches",
         type=int,
         default=1,
         help="afd.num_ubatches of the attention role (2: dual-batch overlap, CUDA)",
-    )
-    p.add_argument(
-        "--connector-extra-config",
-        type=json.loads,
-        default={},
-        help="JSON object for afd.connector_extra_config",
     )
     p.add_argument(
         "--attention-args",
@@ -468,9 +668,83 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="extra vllm serve arguments for every FFN rank only",
     )
     add_device_flags(p)
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    add_host_flags(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every node's processes (environment and vllm-afd serve "
+        "command) and exit",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every role to answer /health",
+    )
     p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
+
+
+def add_host_flags(p: argparse.ArgumentParser) -> None:
+    """The place of this launcher in a deployment across hosts."""
+    p.add_argument(
+        "--hosts",
+        metavar="LIST",
+        help="address of every node of a deployment across hosts, node rank = "
+        "position, e.g. 10.0.0.1,10.0.0.2 (run the same command on each)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this node's rank in --hosts (default: LWS_WORKER_INDEX or "
+        "SLURM_NODEID from the environment)",
+    )
+    p.add_argument(
+        "--attention-nodes",
+        metavar="LIST",
+        help="node rank of each attention rank, consecutive per node, e.g. "
+        "0,1 (default: all on node 0)",
+    )
+    p.add_argument(
+        "--ffn-nodes",
+        metavar="LIST",
+        help="node rank of each FFN rank, e.g. 2,1 (default: the nodes after "
+        "0 in turn)",
+    )
+    p.add_argument(
+        "--dp-rpc-port",
+        type=int,
+        default=None,
+        help="vLLM --data-parallel-rpc-port when attention spans nodes "
+        "(default: --afd-port + 2)",
+    )
+
+
+def add_topology_flags(p: argparse.ArgumentParser) -> None:
+    """Ranks, gate placement and connector options (launch and bench)."""
+    p.add_argument(
+        "-A",
+        "--attention-ranks",
+        type=int,
+        default=1,
+        help="attention ranks (data-parallel ranks of the attention server)",
+    )
+    p.add_argument(
+        "-F", "--ffn-ranks", type=int, default=1, help="FFN ranks (a server each)"
+    )
+    p.add_argument(
+        "--gate-on-attention",
+        action="store_true",
+        help="run the MoE gate and top-k on the attention role "
+        "(afd.compute_gate_on_attention)",
+    )
+    p.add_argument(
+        "--connector-extra-config",
+        type=json.loads,
+        default={},
+        help="JSON object for afd.connector_extra_config, e.g. '{\"timeout_s\": 30}'",
+    )
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -490,25 +764,39 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    spec = DeploymentSpec.from_args(args, list(args.vllm_args))
     try:
+        hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"]
+        if args.dry_run and args.node_rank is None:
+            args.resolved_node_rank = 0
+        else:
+            args.resolved_node_rank = placement.node_rank_from(
+                args.node_rank, os.environ, len(hosts)
+            )
+        spec = DeploymentSpec.from_args(args, list(args.vllm_args))
+        if args.dry_run:
+            print(dry_run(spec, only=args.node_rank), flush=True)
+            return 0
         deployment = Deployment(spec)
-    except LaunchError as exc:
+    except (LaunchError, PlacementError) as exc:
         print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
         return 2
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    started = threading.Event()
+
+    def on_sigterm(*_: object) -> None:
+        if not started.is_set():  # leave the start-up wait at once
+            raise _Stopped
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         deployment.start(args.ready_timeout)
-        print(
-            f"AFD {spec.attention_ranks}A{spec.ffn_ranks}F ready: "
-            f"{deployment.api_url}/v1",
-            flush=True,
-        )
+        started.set()
+        print(ready_line(deployment), flush=True)
         while not stop.is_set():
             deployment.check_alive()
             stop.wait(1.0)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped):
         pass
     except LaunchError as exc:
         print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
@@ -516,6 +804,66 @@ def run_launch(args: argparse.Namespace) -> int:
     finally:
         deployment.stop()
     return 0
+
+
+#: variables ``dry_run`` shows (the rest is the launcher's own environment)
+SHOWN_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+)  # fmt: skip
+
+
+def dry_run(spec: DeploymentSpec, only: int | None = None) -> str:
+    """Every node's processes as shell lines (``only``: that node's): the
+    variables a process gets beyond the launcher's environment, then its
+    ``vllm-afd serve`` command. Interfaces of other hosts than this one show
+    as ``<interface of ADDRESS>``."""
+    place = spec.placement()
+    out = [f"# AFD {spec.attention_ranks}A{spec.ffn_ranks}F on {place.num_nodes} "]
+    out[0] += "node" if place.num_nodes == 1 else "nodes"
+    out += [f"# {line}" for line in place.describe().splitlines()]
+    for node in range(place.num_nodes):
+        if only is not None and node != only:
+            continue
+        out.append(f"## node {node} ({place.hosts[node]})")
+        for proc in role_processes(spec, node, check_local=False):
+            shown = [
+                f"{k}={shlex.quote(proc.env[k])}"
+                for k in SHOWN_VARIABLES
+                if k in proc.env and proc.env[k] != os.environ.get(k)
+            ]
+            argv = ["vllm-afd", *proc.argv[3:]]  # [python, -m, module, serve, ...]
+            out.append(f"# {proc.name}{' (headless)' if proc.headless else ''}")
+            out.append(" ".join([*shown, shlex.join(argv)]))
+    return "\n".join(out)
+
+
+class _Stopped(Exception):
+    """SIGTERM arrived while the deployment was starting."""
+
+
+def ready_line(deployment: Deployment) -> str:
+    """The line ``launch`` prints once every role is healthy: the URL a
+    client on this machine uses, and the bind address when it is every
+    interface."""
+    spec = deployment.spec
+    name = f"AFD {spec.attention_ranks}A{spec.ffn_ranks}F"
+    api = next(
+        (p for p in deployment.processes if p.name == "attention" and not p.headless),
+        None,
+    )
+    where = ""
+    if spec.multi_host:
+        where = f" (node {spec.node_rank} of {len(spec.hosts or ())})"
+    if api is None:
+        names = ", ".join(
+            f"{p.name} (headless)" if p.headless else f"{p.name} ({p.url})"
+            for p in deployment.processes
+        )
+        return f"{name} ready on node {spec.node_rank}: {names}{where}"
+    line = f"{name} ready: {api.url}/v1{where}"
+    if api.host in WILDCARD_HOSTS:
+        line += f" (the API listens on all interfaces, {api.host or '0.0.0.0'})"
+    return line
 
 
 class PlainServer:
@@ -530,11 +878,13 @@ class PlainServer:
         common = list(spec.vllm_args)
         if _wants_cpu_workaround(spec):
             common += ["--compilation-config", CPU_COMPILATION_CONFIG]
+        host = api_host_of(spec, [])
         self.process = RoleProcess(
             "plain",
-            serve_argv(spec.model, port or spec.port, common),
+            serve_argv(spec.model, port or spec.port, common, host),
             port or spec.port,
             child_env(spec.plain_devices()),
+            host,
         )
         self.log = log
 

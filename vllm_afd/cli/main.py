@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 
@@ -67,13 +68,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the warning multiprocessing's resource tracker prints when it frees the
+#: shared memory and semaphores of vLLM processes that its shutdown killed
+TRACKER_WARNING = "ignore:resource_tracker:UserWarning"
+
+
+def _quiet_resource_tracker() -> None:
+    """Let the resource tracker (a process this server starts later, with
+    this environment) free what killed processes left without saying so on
+    every stop."""
+    import os
+
+    given = os.environ.get("PYTHONWARNINGS")
+    if not given or TRACKER_WARNING not in given.split(","):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [given, TRACKER_WARNING]))
+
+
+def _exit_now(code: int) -> None:
+    """Exit after the atexit handlers (log flushing, vLLM's own clean-up),
+    skipping interpreter finalization: there, extension modules vLLM loads
+    report their own reference leaks on stderr (~130 lines per server),
+    which says nothing about this run."""
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         from vllm_afd.cli.vllm_cli import run_vllm_cli
 
-        run_vllm_cli(argv)
-        return 0
+        _quiet_resource_tracker()
+        try:
+            run_vllm_cli(argv)
+        except SystemExit as e:
+            if e.code not in (None, 0) and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            _exit_now(e.code if isinstance(e.code, int) else int(e.code is not None))
+        _exit_now(0)
     # Everything after the first `--` goes to vllm serve, untouched.
     passthrough: list[str] = []
     if "--" in argv:

@@ -7,9 +7,12 @@ the wrapper calls the original and returns; with it, the wrapper
 
 1. parses ``additional_config["afd"]`` (phase 1; config errors surface here),
 2. records whether ``worker_cls`` was ``"auto"``,
-3. maps every supported architecture to its role-split AFD model class
-   (``vllm_afd.models.split``) through vLLM's ``model_class_overrides``
-   (merged with the user's),
+3. registers every supported architecture's role-split AFD model class
+   (``vllm_afd.models.split``) with vLLM's ``ModelRegistry``, the way vLLM
+   means out-of-tree models to be added (the engine and worker processes of
+   the server do the same in the plugin's ``register``, see
+   :func:`register_afd_models`; a user's ``model_class_overrides`` still
+   wins),
 4. calls the original, then selects the AFD worker and checks the result
    against the ``VllmConfig`` (phase 2).
 """
@@ -54,6 +57,15 @@ def afd_model_classes() -> dict[str, str]:
     return {arch: f"vllm_afd.models.split:AFD{arch}" for arch in SUPPORTED_ARCHS}
 
 
+def register_afd_models() -> None:
+    """Map every supported architecture to its AFD class in this process's
+    ``ModelRegistry``. Called only in the processes of an AFD server."""
+    from vllm import ModelRegistry
+
+    for arch, target in afd_model_classes().items():
+        ModelRegistry.register_model(arch, target)
+
+
 def platform_default_worker() -> str:
     """The worker vLLM's current platform picks for ``worker_cls="auto"``."""
     from vllm.platforms import current_platform
@@ -82,12 +94,13 @@ def _wrap_create_engine_config(original: Any) -> Any:
         envs.mark_server_process()
         _enable_worker_metrics()
         worker_cls_was_auto = self.worker_cls == "auto"
-        self.model_class_overrides = {
-            **afd_model_classes(),
-            **(self.model_class_overrides or {}),
-        }
+        register_afd_models()
         config = original(self, *args, **kwargs)
         apply_afd_to_vllm_config(config, afd, worker_cls_was_auto=worker_cls_was_auto)
+        from vllm_afd.serving import start_signals, stop_log
+
+        stop_log.install()
+        start_signals.install()
         if afd.is_ffn:
             from vllm_afd.serving import ffn_refusal
 

@@ -1,0 +1,312 @@
+"""``vllm-afd launch`` as an operator meets it, each case with its time bound:
+
+* the ready line is the URL that answers; every socket the roles listen on
+  is on loopback; no development-only warning at start; SIGTERM stops every
+  process with exit 0, no traceback, no ERROR line, no leak report;
+* SIGKILL of the launcher leaves no role process running, ports free;
+* SIGTERM while the roles start stops them all within seconds;
+* a server started by hand that is killed (SIGKILL) or stopped (SIGTERM)
+  while its worker waits in the rendezvous takes its engine core and worker
+  with it, within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import complete, free_port_pair, free_ports, served_model
+
+from vllm_afd import lifeline
+from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+pytestmark = pytest.mark.e2e
+
+READY_TIMEOUT_S = 420.0
+#: every process of a role is gone this long after its launcher was killed
+GONE_AFTER_KILL_S = 15.0
+#: the launcher exits this long after SIGTERM while the roles start
+STOPPED_AFTER_TERM_S = 20.0
+LIFELINE_GRACE_S = lifeline.GRACE_S
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("launcher")
+    return write_tiny_checkpoint(root / "qwen3", arch="qwen3_moe", num_layers=2)
+
+
+# ------------------------------------------------------------- processes
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent, process group) of ``pid``, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _live_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def members(groups: set[int]) -> list[int]:
+    """Live (not zombie) processes of the process groups ``groups``."""
+    out = []
+    for pid in _live_pids():
+        st = _stat(pid)
+        if st is not None and st[2] in groups and st[0] not in ("Z", "X"):
+            out.append(pid)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in _live_pids() if (st := _stat(p)) and st[1] == pid]
+
+
+def listening(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address hex, port, pid) of every TCP socket ``pids`` listen on."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            address, port = cols[1].split(":")
+            if cols[3] == "0A" and cols[9] in inodes:
+                found.append((address, int(port, 16), inodes[cols[9]]))
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}
+
+
+def _bindable(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (as servers do, with
+    SO_REUSEADDR: connections in TIME_WAIT do not hold a port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+# -------------------------------------------------------------- launcher
+class Launched:
+    """``vllm-afd launch`` in a session of its own, its output collected."""
+
+    def __init__(self, model: Path, *extra: str) -> None:
+        self.afd_port = free_port_pair()
+        self.port, self.ffn_port = [
+            p for p in free_ports(4) if p not in (self.afd_port, self.afd_port + 1)
+        ][:2]
+        argv = [
+            sys.executable, "-m", "vllm_afd.cli.main", "launch", str(model),
+            "--port", str(self.port), "--ffn-port", str(self.ffn_port),
+            "--afd-port", str(self.afd_port), *extra, "--", *VLLM_ARGS,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+    def wait_line(self, pattern: str, timeout: float) -> str:
+        """The first output line matching ``pattern``."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        with self._new:
+            while True:
+                hit = next((x for x in self.lines if regex.search(x)), None)
+                if hit is not None:
+                    return hit
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    tail = "".join(self.lines[-60:])
+                    raise AssertionError(f"no line matching {pattern!r}:\n{tail}")
+                self._new.wait(min(left, 1.0))
+
+    def role_groups(self) -> set[int]:
+        """The role servers' process groups (each its own session)."""
+        return {_stat(p)[2] for p in children(self.proc.pid) if _stat(p)}
+
+    def cleanup(self) -> None:
+        groups = self.role_groups()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in members(groups | {self.proc.pid}):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_gone(groups: set[int], timeout: float) -> float:
+    t0 = time.monotonic()
+    while members(groups) and time.monotonic() - t0 < timeout:
+        time.sleep(0.1)
+    left = members(groups)
+    assert not left, f"still running {timeout}s later: {left}"
+    return time.monotonic() - t0
+
+
+# ----------------------------------------------------------------- cases
+def test_ready_line_sockets_and_a_clean_stop(model):
+    run = Launched(model)
+    try:
+        ready = run.wait_line(r"ready: http", READY_TIMEOUT_S)
+        url = f"http://127.0.0.1:{run.port}"
+        assert ready.strip() == f"AFD 1A1F ready: {url}/v1"
+        out = complete(url, served_model(url), "hello", 4, stream=False)
+        assert len(out.token_ids) == 4
+        groups = run.role_groups()
+        assert len(groups) == 2  # the attention server and the FFN server
+        sockets = listening(members(groups))
+        ports = {port for _, port, _ in sockets}
+        assert {run.port, run.ffn_port, run.afd_port + 1} <= ports, sockets
+        wide = [s for s in sockets if s[0] not in LOOPBACK]
+        assert not wide, f"listening beyond loopback: {wide}"
+        start_log = "".join(run.lines)
+        assert "model_class_overrides" not in start_log
+        assert "development/debugging" not in start_log
+        n = len(run.lines)
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.proc.wait(60) == 0
+        stopped = time.monotonic() - t0
+        _wait_gone(groups, 10)
+        stop_log = "".join(run.lines[n:])
+        for noise in ("Traceback", " ERROR ", "nanobind", "leaked"):
+            assert noise not in stop_log, stop_log
+        print(f"clean stop: launcher exited {stopped:.1f}s after SIGTERM")
+    finally:
+        run.cleanup()
+
+
+def test_sigkilled_launcher_leaves_no_role_running(model):
+    run = Launched(model)
+    try:
+        run.wait_line(r"ready: http", READY_TIMEOUT_S)
+        groups = run.role_groups()
+        assert len(members(groups)) >= 4  # servers, engine cores, workers
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+        gone = _wait_gone(groups, GONE_AFTER_KILL_S)
+        for port in (run.port, run.ffn_port, run.afd_port + 1):
+            assert _bindable(port), f"port {port} still held"
+        print(f"launcher SIGKILL: every role process gone after {gone:.1f}s")
+    finally:
+        run.cleanup()
+
+
+def test_sigterm_while_the_roles_start_stops_them_all(model):
+    run = Launched(model)
+    try:
+        deadline = time.monotonic() + 60
+        while len(run.role_groups()) < 2:
+            assert time.monotonic() < deadline and run.proc.poll() is None
+            time.sleep(0.1)
+        groups = run.role_groups()
+        run.wait_line(r"\[(ffn|attention)\].*(Loading|Initializ)", 120)
+        assert not any("ready: http" in x for x in run.lines)
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.proc.wait(STOPPED_AFTER_TERM_S) == 0
+        _wait_gone(groups, 10)
+        took = time.monotonic() - t0
+        assert took < STOPPED_AFTER_TERM_S
+        print(f"SIGTERM during start-up: every process gone after {took:.1f}s")
+    finally:
+        run.cleanup()
+
+
+def _ffn_server_in_the_rendezvous(model: Path) -> tuple[subprocess.Popen, int]:
+    """An FFN server started by hand, its worker waiting in the rendezvous
+    for an attention peer that never comes; (server, afd.port)."""
+    afd_port = free_port_pair()
+    (port,) = [p for p in free_ports(3) if p not in (afd_port, afd_port + 1)][:1]
+    argv = [
+        sys.executable, "-m", "vllm_afd.cli.main", "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS,
+        "--additional-config",
+        f'{{"afd": {{"role": "ffn", "port": {afd_port}}}}}',
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFD_")}
+    server = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    lines: list[str] = []
+    listening_now = threading.Event()
+
+    def read() -> None:
+        for line in server.stdout:
+            lines.append(line)
+            if "ffn rank 0 listening on" in line:
+                listening_now.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not listening_now.wait(READY_TIMEOUT_S):
+        server.kill()
+        raise AssertionError("".join(lines[-60:]))
+    assert len(members({server.pid})) >= 3  # server, engine core, worker
+    return server, afd_port
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_server_stopped_in_the_rendezvous_takes_its_engine_with_it(model, sig):
+    """An FFN server started by hand waits for its attention peer. SIGKILL
+    the server alone (the OOM killer's way): its engine core and worker,
+    vLLM's own children, exit within the lifeline's grace. SIGTERM the server
+    alone (``kill PID``, a container runtime): it stops at once although vLLM
+    is still waiting for its engine. Either way the rendezvous port is free
+    again."""
+    server, afd_port = _ffn_server_in_the_rendezvous(model)
+    try:
+        t0 = time.monotonic()
+        server.send_signal(sig)  # the server alone, not its group
+        server.wait(10)
+        _wait_gone({server.pid}, LIFELINE_GRACE_S + 5)
+        took = time.monotonic() - t0
+        assert _bindable(afd_port), "the rendezvous port is still held"
+        print(f"server {sig.name} in the rendezvous: all gone after {took:.1f}s")
+    finally:
+        if server.poll() is None:
+            server.kill()
+        for pid in members({server.pid}):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,66 @@
+"""Every ``vllm-afd launch`` command of docs/deployment.md is valid: run with
+``--dry-run`` for each of its nodes, it prints that node's processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from vllm_afd.cli import main as cli
+from vllm_afd.cli import placement
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+THREE_HOSTS = "10.0.0.1,10.0.0.2,10.0.0.3"
+
+
+def _commands() -> list[list[str]]:
+    text = DOC.read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        joined = block.replace("\\\n", " ")
+        for line in joined.splitlines():
+            if "vllm-afd launch" in line:
+                words = shlex.split(line.replace('"$HOSTS"', THREE_HOSTS))
+                found.append(words[words.index("vllm-afd") + 1 :])
+    for block in re.findall(r"```yaml\n(.*?)```", text, re.S):
+        match = re.search(r"command: (\[.*?\])", block, re.S)
+        if match:
+            found.append(json.loads(match.group(1))[1:])
+    return found
+
+
+def test_the_page_has_the_bare_host_slurm_and_kubernetes_commands():
+    assert len(_commands()) == 3
+
+
+@pytest.mark.parametrize("argv", _commands(), ids=["bare", "slurm", "kubernetes"])
+def test_every_launch_command_of_the_page_is_valid_on_every_node(
+    argv, capsys, monkeypatch
+):
+    monkeypatch.setattr(placement, "interface_of", lambda address: "eth0")
+    argv = _without_node_rank(argv)
+    hosts = argv[argv.index("--hosts") + 1].split(",")
+    cut = argv.index("--")
+    for node in range(len(hosts)):
+        given = [*argv[:cut], "--node-rank", str(node), "--dry-run", *argv[cut:]]
+        assert cli.main(given) == 0
+        out = capsys.readouterr().out
+        assert f"## node {node} ({hosts[node]})" in out
+        assert out.count(" serve MODEL ") >= 1
+
+
+def _without_node_rank(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+            continue
+        if word == "--node-rank":
+            skip = True
+            continue
+        out.append(word)
+    return out
