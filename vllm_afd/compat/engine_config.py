@@ -97,10 +97,9 @@ def _wrap_create_engine_config(original: Any) -> Any:
         register_afd_models()
         config = original(self, *args, **kwargs)
         apply_afd_to_vllm_config(config, afd, worker_cls_was_auto=worker_cls_was_auto)
-        from vllm_afd.serving import start_signals, stop_log
+        from vllm_afd.serving import stop_log
 
         stop_log.install()
-        start_signals.install()
         if afd.is_ffn:
             from vllm_afd.serving import ffn_refusal
 
