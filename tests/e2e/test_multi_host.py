@@ -1,0 +1,143 @@
+"""Roles on several hosts, each host a network namespace of its own (own
+network stack, one address on a shared bridge), started by the same
+``vllm-afd launch`` command on every host with that host's ``--node-rank``:
+
+* 1A1F: attention on host 0, the FFN on host 1;
+* 2A1F: attention rank 0 on host 0 (API), rank 1 on host 1 (vLLM headless
+  data parallelism), the FFN on host 2;
+* 2A2F: attention as in 2A1F, FFN rank 0 on host 2, FFN rank 1 on host 1.
+
+Each is compared token for token with plain vLLM (one server, loopback) on
+the same model and settings. Needs root and ``ip``; the namespaces go with
+the test, on every exit path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from harness import (
+    BASE_ARGS,
+    assert_same_outputs,
+    make_spec,
+    plain_outputs,
+    prompts,
+    run_workload,
+    served_model,
+)
+from hosts import emulated_hosts, unavailable
+
+from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+]
+
+READY_TIMEOUT_S = 600.0
+EXTRA = ["--enforce-eager", "--dtype", "float32"]
+TEXTS = prompts(8)
+#: fp32 logprobs: DP ranks batch differently from one plain server
+ATOL = 1e-4
+#: start-up times, one line per case (printed at the end of the module)
+TIMES: list[str] = []
+
+CASES = {
+    # name: (A, F, attention nodes, ffn nodes, hosts)
+    "1A1F-2hosts": (1, 1, "0", "1", 2),
+    "2A1F-3hosts": (2, 1, "0,1", "2", 3),
+    "2A2F-3hosts": (2, 2, "0,1", "2,1", 3),
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    return write_tiny_checkpoint(root / "qwen3", arch="qwen3_moe", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return plain_outputs(make_spec(model, EXTRA), TEXTS)
+
+
+class NodeLauncher:
+    """``vllm-afd launch`` on one emulated host, its output collected."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if re.search(r"^AFD \d+A\d+F ready", line):
+                self.ready.set()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def _launch_argv(model, a: int, f: int, att: str, ffn: str, addrs: list[str]):
+    return [
+        sys.executable, "-m", "vllm_afd.cli.main", "launch", str(model),
+        "-A", str(a), "-F", str(f), "--hosts", ",".join(addrs),
+        "--attention-nodes", att, "--ffn-nodes", ffn,
+        "--", *BASE_ARGS, *EXTRA,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_roles_on_several_hosts_are_exact(model, plain, case):
+    a, f, att, ffn, n = CASES[case]
+    with emulated_hosts(n) as (hosts, _mine):
+        addrs = [h.address for h in hosts]
+        base = _launch_argv(model, a, f, att, ffn, addrs)
+        t0 = time.monotonic()
+        nodes = [
+            NodeLauncher(h.argv([*base[:5], "--node-rank", str(i), *base[5:]]))
+            for i, h in enumerate(hosts)
+        ]
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for i, node in enumerate(nodes):
+                while not node.ready.wait(1.0):
+                    dead = [x for x in nodes if x.proc.poll() is not None]
+                    if dead or time.monotonic() > deadline:
+                        logs = "".join(
+                            f"--- node {j}\n" + "".join(x.lines[-40:])
+                            for j, x in enumerate(nodes)
+                        )
+                        raise AssertionError(f"node {i} not ready:\n{logs}")
+            started = time.monotonic() - t0
+            ready = next(x for x in nodes[0].lines if "ready:" in x)
+            url = f"http://{addrs[0]}:8000"
+            assert f"ready: {url}/v1 (node 0 of {n})" in ready, ready
+            outputs = run_workload(url, served_model(url), TEXTS)
+        finally:
+            for node in nodes:  # the API node first: its stop tells the FFN
+                node.stop()
+    assert_same_outputs(outputs, plain, atol=ATOL)
+    TIMES.append(f"{case}: ready {started:.0f}s after the launchers started")
+    print(TIMES[-1])
