@@ -17,6 +17,14 @@ if [ -z "${AFD_TARGET:-}" ]; then
   fi
 fi
 
+# The multi-host tests emulate hosts with network namespaces (ip, iproute2);
+# where it is missing and this is root on Debian/Ubuntu, install it.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -qq iproute2 >/dev/null 2>&1 || \
+    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1; } || \
+    echo "vllm-afd: could not install iproute2; the multi-host tests will be skipped"
+fi
+
 stamp="$VENV/.afd-setup-$AFD_TARGET-$(cat pyproject.toml tools/setup.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0

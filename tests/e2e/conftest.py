@@ -37,10 +37,14 @@ def family_models(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The model-family figures of test_families.py, at the end of the run."""
+    """The figures of test_families.py and test_multi_host.py, at the end."""
     harness = sys.modules.get("harness")
-    results = getattr(harness, "FAMILY_RESULTS", [])
-    if results:
-        terminalreporter.section("AFD model families (identical greedy / bytes)")
-        for line in results:
-            terminalreporter.write_line(line)
+    for title, results in (
+        ("AFD model families (identical greedy / bytes)", "FAMILY_RESULTS"),
+        ("AFD across emulated hosts (identical greedy / start-up)", "HOST_RESULTS"),
+    ):
+        lines = getattr(harness, results, [])
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)

@@ -24,6 +24,8 @@ from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainSe
 
 #: one line per model-family case (test_families.py), printed at the end
 FAMILY_RESULTS: list[str] = []
+#: one line per multi-host case (test_multi_host.py), printed at the end
+HOST_RESULTS: list[str] = []
 
 #: settings shared by AFD and the baseline: exactness is "same settings"
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
@@ -370,3 +372,68 @@ def settled_metrics(url: str, timeout: float = 15.0) -> dict:
             return current
         last = current
     return last
+
+
+class Collected:
+    """A command in a session (process group) of its own, its output
+    collected line by line: a launcher or a server started by hand."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+    def wait_line(self, pattern: str, timeout: float) -> str:
+        """The first output line matching ``pattern`` (a regex).
+
+        Raises:
+            AssertionError: none within ``timeout`` s, or the command ended
+                first; with the output's last lines.
+        """
+        import re
+
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        with self._new:
+            while True:
+                hit = next((x for x in self.lines if regex.search(x)), None)
+                if hit is not None:
+                    return hit
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    tail = "".join(self.lines[-60:])
+                    raise AssertionError(f"no line matching {pattern!r}:\n{tail}")
+                self._new.wait(min(left, 1.0))
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM the command, SIGKILL its process group after ``timeout``."""
+        import os
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)

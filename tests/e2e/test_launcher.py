@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import complete, free_port_pair, free_ports, served_model
+from harness import Collected, complete, free_port_pair, free_ports, served_model
 
 from vllm_afd import lifeline
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
@@ -110,53 +108,32 @@ def _bindable(port: int) -> bool:
 
 
 # -------------------------------------------------------------- launcher
-class Launched:
-    """``vllm-afd launch`` in a session of its own, its output collected."""
+class Launched(Collected):
+    """``vllm-afd launch`` on free ports, its output collected."""
 
     def __init__(self, model: Path, *extra: str) -> None:
         self.afd_port = free_port_pair()
         self.port, self.ffn_port = [
             p for p in free_ports(4) if p not in (self.afd_port, self.afd_port + 1)
         ][:2]
-        argv = [
-            sys.executable, "-m", "vllm_afd.cli.main", "launch", str(model),
-            "--port", str(self.port), "--ffn-port", str(self.ffn_port),
-            "--afd-port", str(self.afd_port), *extra, "--", *VLLM_ARGS,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "vllm_afd.cli.main",
+                "launch",
+                str(model),
+                "--port",
+                str(self.port),
+                "--ffn-port",
+                str(self.ffn_port),
+                "--afd-port",
+                str(self.afd_port),
+                *extra,
+                "--",
+                *VLLM_ARGS,
+            ]  # fmt: skip
         )
-        self.lines: list[str] = []
-        self._new = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._new:
-                self.lines.append(line)
-                self._new.notify_all()
-        with self._new:
-            self._new.notify_all()
-
-    def wait_line(self, pattern: str, timeout: float) -> str:
-        """The first output line matching ``pattern``."""
-        deadline = time.monotonic() + timeout
-        regex = re.compile(pattern)
-        with self._new:
-            while True:
-                hit = next((x for x in self.lines if regex.search(x)), None)
-                if hit is not None:
-                    return hit
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    tail = "".join(self.lines[-60:])
-                    raise AssertionError(f"no line matching {pattern!r}:\n{tail}")
-                self._new.wait(min(left, 1.0))
 
     def role_groups(self) -> set[int]:
         """The role servers' process groups (each its own session)."""
@@ -262,29 +239,14 @@ def _ffn_server_in_the_rendezvous(model: Path) -> tuple[subprocess.Popen, int]:
         f'{{"afd": {{"role": "ffn", "port": {afd_port}}}}}',
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("AFD_")}
-    server = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=env,
-    )
-    lines: list[str] = []
-    listening_now = threading.Event()
-
-    def read() -> None:
-        for line in server.stdout:
-            lines.append(line)
-            if "ffn rank 0 listening on" in line:
-                listening_now.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not listening_now.wait(READY_TIMEOUT_S):
-        server.kill()
-        raise AssertionError("".join(lines[-60:]))
-    assert len(members({server.pid})) >= 3  # server, engine core, worker
-    return server, afd_port
+    server = Collected(argv, env=env)
+    try:
+        server.wait_line("ffn rank 0 listening on", READY_TIMEOUT_S)
+    except AssertionError:
+        server.proc.kill()
+        raise
+    assert len(members({server.proc.pid})) >= 3  # server, engine core, worker
+    return server.proc, afd_port
 
 
 def test_a_server_killed_in_the_rendezvous_takes_its_engine_with_it(model):

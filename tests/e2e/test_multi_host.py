@@ -14,17 +14,14 @@ the test, on every exit path.
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
 from harness import (
     BASE_ARGS,
+    HOST_RESULTS,
+    Collected,
     assert_same_outputs,
     make_spec,
     plain_outputs,
@@ -46,8 +43,8 @@ EXTRA = ["--enforce-eager", "--dtype", "float32"]
 TEXTS = prompts(8)
 #: fp32 logprobs: DP ranks batch differently from one plain server
 ATOL = 1e-4
-#: start-up times, one line per case (printed at the end of the module)
-TIMES: list[str] = []
+#: the line each node's launcher prints once its processes are healthy
+READY = r"^AFD \d+A\d+F ready"
 
 CASES = {
     # name: (A, F, attention nodes, ffn nodes, hosts)
@@ -68,37 +65,6 @@ def plain(model):
     return plain_outputs(make_spec(model, EXTRA), TEXTS)
 
 
-class NodeLauncher:
-    """``vllm-afd launch`` on one emulated host, its output collected."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if re.search(r"^AFD \d+A\d+F ready", line):
-                self.ready.set()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
 def _launch_argv(model, a: int, f: int, att: str, ffn: str, addrs: list[str]):
     return [
         sys.executable, "-m", "vllm_afd.cli.main", "launch", str(model),
@@ -116,22 +82,15 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
         base = _launch_argv(model, a, f, att, ffn, addrs)
         t0 = time.monotonic()
         nodes = [
-            NodeLauncher(h.argv([*base[:5], "--node-rank", str(i), *base[5:]]))
+            Collected(h.argv([*base[:5], "--node-rank", str(i), *base[5:]]))
             for i, h in enumerate(hosts)
         ]
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
-            for i, node in enumerate(nodes):
-                while not node.ready.wait(1.0):
-                    dead = [x for x in nodes if x.proc.poll() is not None]
-                    if dead or time.monotonic() > deadline:
-                        logs = "".join(
-                            f"--- node {j}\n" + "".join(x.lines[-40:])
-                            for j, x in enumerate(nodes)
-                        )
-                        raise AssertionError(f"node {i} not ready:\n{logs}")
+            ready = [
+                node.wait_line(READY, deadline - time.monotonic()) for node in nodes
+            ][0]
             started = time.monotonic() - t0
-            ready = next(x for x in nodes[0].lines if "ready:" in x)
             url = f"http://{addrs[0]}:8000"
             assert f"ready: {url}/v1 (node 0 of {n})" in ready, ready
             outputs = run_workload(url, served_model(url), TEXTS)
@@ -139,5 +98,8 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
             for node in nodes:  # the API node first: its stop tells the FFN
                 node.stop()
     assert_same_outputs(outputs, plain, atol=ATOL)
-    TIMES.append(f"{case}: ready {started:.0f}s after the launchers started")
-    print(TIMES[-1])
+    same = sum(o.token_ids == p.token_ids for o, p in zip(outputs, plain, strict=True))
+    HOST_RESULTS.append(
+        f"{case}: {same}/{len(plain)} identical, every node ready "
+        f"{started:.0f}s after the launchers started"
+    )

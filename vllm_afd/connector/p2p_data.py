@@ -132,7 +132,10 @@ class P2PDataPlane(DataPlane):
         except RuntimeError as e:
             raise AFDConnectorError(
                 f"could not build the {self._backend} data-plane group "
-                f"(connector rank {self._rank} of {self._world}): {e}"
+                f"(connector rank {self._rank} of {self._world}, on "
+                f"{rendezvous.local_host or 'every interface'}): {e}. Every "
+                "endpoint must reach the others at the address it reaches ffn "
+                "rank 0 from, on any port"
             ) from None
 
     def _make_group(self, store: dist.Store, local_host: str) -> dist.ProcessGroup:
