@@ -229,7 +229,7 @@ def node_env(address: str, *, check_local: bool = True) -> dict[str, str]:
     except OSError:
         ip = address
     env = {"VLLM_HOST_IP": ip}
-    iface = interface_of(address)
+    iface = interface_of(ip)  # resolved once: a name may take a DNS round trip
     if iface is None:
         if check_local:
             raise PlacementError(
