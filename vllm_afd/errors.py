@@ -9,7 +9,8 @@ the field or peer, the value, and the fix::
     └── AFDConnectorError                   transport failures
         ├── AFDProtocolError                handshake or message mismatch
         ├── AFDTimeoutError                 a blocking wait ran out (also TimeoutError)
-        └── AFDPeerError                    the peer closed, died or shut down
+        ├── AFDPeerError                    the peer closed, died or shut down
+        └── AFDFFNUnavailable               an attention step ran without its FFN rank
 
 This module imports nothing from vLLM or torch.
 """
@@ -49,3 +50,17 @@ class AFDTimeoutError(AFDConnectorError, TimeoutError):
 
 class AFDPeerError(AFDConnectorError):
     """The peer closed the connection, died, or sent SHUTDOWN."""
+
+
+#: how every AFDFFNUnavailable message begins (it survives the string an
+#: executor makes of a worker's exception)
+FFN_UNAVAILABLE = "AFD: the FFN role is unavailable"
+
+
+class AFDFFNUnavailable(AFDConnectorError):
+    """An attention step could not exchange with its FFN rank (gone, hung, or
+    not rejoined yet): the step's requests fail, the engine keeps running."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"{FFN_UNAVAILABLE}: {why}")
+        self.why = why

@@ -201,6 +201,53 @@ def test_watch_peers_reports_an_ffn_shutdown_once():
     assert lost[0].startswith("ffn rank 0 shut down"), lost
 
 
+def test_a_stopped_ffn_is_reported_after_timeout_s_without_heartbeat():
+    """SIGSTOP keeps the FFN's sockets open (the kernel still acknowledges), so
+    only the missing heartbeat tells: reported after timeout_s, not before,
+    and not while the attention rank has planned no served step yet (start-up
+    steps compile: the limit is warmup_timeout_s then)."""
+    import signal
+    import subprocess
+
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+
+    sc = S.Scenario("p2p", S.free_port(), 1, 1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    program = _FFN_PROGRAM.format(here=here, port=sc.port).replace(
+        '"ffn", 0)', '"ffn", 0, timeout_s=1.5, heartbeat_interval_s=0.2)'
+    )
+    ffn = subprocess.Popen(
+        [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        att = S._connector(sc, "attention", 0, timeout_s=1.5)
+        att.start()
+        assert ffn.stdout.readline().strip() == "up"
+        lost: list[str] = []
+        seen = threading.Event()
+        att.watch_peers(lambda message: (lost.append(message), seen.set()))
+        time.sleep(2.0)  # longer than timeout_s: heartbeats keep it quiet
+        assert lost == []
+        att.send_plan(StepPlan(1, ExecMode.WARMUP, (1,)))
+        os.kill(ffn.pid, signal.SIGSTOP)
+        time.sleep(2.5)  # warming up: warmup_timeout_s (600 s) applies
+        assert lost == []
+        os.kill(ffn.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        att.send_plan(StepPlan(2, ExecMode.EAGER, (1,)))
+        os.kill(ffn.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert seen.wait(10), "a stopped FFN was never reported"
+        elapsed = time.monotonic() - t0
+        assert 1.0 <= elapsed <= 1.5 + 1.5, elapsed
+        assert lost[0].startswith("ffn rank 0 sent no heartbeat for"), lost
+        assert "(timeout_s=1.5): it is hung, stopped or cut off" in lost[0]
+        att.close()
+    finally:
+        ffn.kill()
+        ffn.wait()
+
+
 def test_watch_peers_is_silent_after_the_watcher_closes():
     sc = S.Scenario("p2p", S.free_port(), 1, 1)
     ffn = S._connector(sc, "ffn", 0)
@@ -438,3 +485,168 @@ def test_rendezvous_off_loopback_without_secret_warns(warnings_log):
     with pytest.raises(AFDTimeoutError):
         plane.start(S.fingerprint(S.Scenario("p2p", 1, 1, 1), "attention", 0))
     assert any("not on loopback and has no shared secret" in m for m in warnings_log)
+
+
+# --------------------------------------------- the session re-forms (M:N)
+_2A2F = (("ffn", 0), ("ffn", 1), ("attention", 0), ("attention", 1))
+
+
+def _session(sc: S.Scenario) -> dict:
+    endpoints = {key: _Endpoint(sc, *key) for key in _2A2F}
+    for ep in endpoints.values():
+        assert ep.started.wait(30), [e.error for e in endpoints.values()]
+    return {key: ep.conn for key, ep in endpoints.items()}
+
+
+def _recv_plan_in_thread(conn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        out["plan"] = conn.recv_plan()
+        out["why"] = conn.rejoining
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_an_attention_rank_that_rejoins_ends_the_session_for_everyone_2a2f():
+    """Attention rank 1 lost its FFN rank and leaves to rejoin: both FFN
+    ranks learn it (ffn 1 from its peer, ffn 0 from the membership), ffn 0's
+    own attention peer learns it from ffn 0, and a new session forms on the
+    same ports."""
+    sc = S.Scenario("p2p", S.free_port(), 2, 2, connect_timeout_s=20.0)
+    conns = _session(sc)
+    waits = {k: _recv_plan_in_thread(conns[("ffn", k)]) for k in (0, 1)}
+    lost: list[str] = []
+    conns[("attention", 0)].watch_peers(lost.append)
+    conns[("attention", 1)].close(protocol.REJOIN + "attention rank 1 lost ffn rank 1")
+    for k, (thread, out) in waits.items():
+        thread.join(10)
+        assert not thread.is_alive(), f"ffn rank {k} never saw the session end"
+        assert out["plan"] is None
+        assert out["why"].startswith("attention rank 1 shut down (rejoin: "), out
+    conns[("ffn", 0)].close(protocol.REJOIN + "ffn rank 0 re-forms")
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and lost[0].startswith("ffn rank 0 shut down (rejoin: "), lost
+    for conn in conns.values():
+        conn.close()
+    again = _session(sc)  # the ports are free again, everyone is back
+    for conn in again.values():
+        conn.close()
+
+
+def test_a_member_that_dies_ends_the_session_on_ffn_rank_0_2a2f():
+    """ffn rank 1 (another process) is SIGKILLed: ffn rank 0, which does not
+    serve it, sees its membership connection drop; attention rank 1, whose
+    FFN rank it was, sees it too."""
+    import subprocess
+
+    sc = S.Scenario("p2p", S.free_port(), 2, 2, connect_timeout_s=20.0)
+    here = os.path.dirname(os.path.abspath(__file__))
+    program = _FFN_PROGRAM.format(here=here, port=sc.port).replace(
+        f'S.Scenario("p2p", {sc.port}, 1, 1), "ffn", 0',
+        f'S.Scenario("p2p", {sc.port}, 2, 2, connect_timeout_s=20.0), "ffn", 1',
+    )
+    ffn1 = subprocess.Popen(
+        [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        endpoints = {key: _Endpoint(sc, *key) for key in _2A2F if key != ("ffn", 1)}
+        for ep in endpoints.values():
+            assert ep.started.wait(30), [e.error for e in endpoints.values()]
+        assert ffn1.stdout.readline().strip() == "up"
+        thread, out = _recv_plan_in_thread(endpoints[("ffn", 0)].conn)
+        lost: list[str] = []
+        endpoints[("attention", 1)].conn.watch_peers(lost.append)
+        ffn1.kill()
+        ffn1.wait()
+        thread.join(10)
+        assert not thread.is_alive() and out["plan"] is None
+        assert (
+            out["why"] == "ffn rank 1 closed its connection (it exited or was killed)"
+        )
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost and lost[0].startswith("ffn rank 1 closed its connection"), lost
+        for ep in endpoints.values():
+            ep.conn.close()
+    finally:
+        ffn1.kill()
+        ffn1.wait()
+
+
+# --------------------------------------------- a cut link (network namespaces)
+_NS_PROGRAM = """
+import sys, time
+sys.path.insert(0, {here!r})
+import _scenarios as S
+from vllm_afd.config import parse_afd_config
+from vllm_afd.connector import create_connector
+from vllm_afd.connector.protocol import ExecMode, StepPlan
+role = {role!r}
+sc = S.Scenario("p2p", {port}, 1, 1)
+cfg = parse_afd_config({{
+    "role": role, "host": {host!r}, "port": {port},
+    "connector_extra_config": {{
+        "timeout_s": 2.0, "heartbeat_interval_s": 0.2, "connect_timeout_s": 30,
+    }},
+}})
+conn = create_connector(cfg, 0, S.fingerprint(sc, role, 0), "cpu")
+conn.start()
+if role == "attention":
+    conn.send_plan(StepPlan(1, ExecMode.EAGER, (1,)))
+    conn.watch_peers(lambda message: print("lost", message, flush=True))
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_cut_link_is_reported_after_timeout_s_without_heartbeat():
+    """The FFN and attention endpoints on two emulated hosts; the FFN host's
+    link goes down (no FIN, no RST: TCP stays open): only the heartbeat
+    silence tells, within timeout_s."""
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+    import hosts as H
+
+    why = H.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    here = os.path.dirname(os.path.abspath(__file__))
+    port = S.free_port()
+    procs: list[subprocess.Popen] = []
+    with H.emulated_hosts(2) as (hosts, _):
+        ffn_host, att_host = hosts
+        try:
+            for role, host in (("ffn", ffn_host), ("attention", att_host)):
+                program = _NS_PROGRAM.format(
+                    here=here, role=role, port=port, host=ffn_host.address
+                )
+                procs.append(
+                    subprocess.Popen(
+                        host.argv([sys.executable, "-c", program]),
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            for proc in procs:
+                assert proc.stdout.readline().strip() == "up"
+            subprocess.run(
+                ["ip", "-n", ffn_host.name, "link", "set", ffn_host.interface, "down"],
+                check=True,
+            )
+            cut = time.monotonic()
+            line = procs[1].stdout.readline().strip()
+            elapsed = time.monotonic() - cut
+            assert line.startswith("lost ffn rank 0 sent no heartbeat for"), line
+            assert "(timeout_s=2): it is hung, stopped or cut off" in line
+            assert 1.5 <= elapsed <= 2.0 + 1.5, elapsed
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()

@@ -26,6 +26,8 @@ from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainSe
 FAMILY_RESULTS: list[str] = []
 #: one line per multi-host case (test_multi_host.py), printed at the end
 HOST_RESULTS: list[str] = []
+#: one line per fault-tolerance case (test_faults.py), printed at the end
+FAULT_RESULTS: list[str] = []
 
 #: settings shared by AFD and the baseline: exactness is "same settings"
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]

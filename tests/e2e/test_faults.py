@@ -1,57 +1,313 @@
-"""Faults between real role processes: nothing hangs, errors name the peer.
+"""Faults of real role processes: the attention role survives its FFN rank.
 
-* The FFN dies mid-decode: in-flight and new requests on the attention role
-  fail within the connector timeout, and the attention log names the FFN peer.
-* The attention role stops: the FFN role exits by itself, cleanly.
+One deployment per topology (1A1F, 2A1F), the launcher's own supervision
+(``Deployment.supervise``) running beside it, and in that one lifetime:
+
+1. **FFN SIGKILL mid-stream** (after the first streamed token): the stream
+   ends with an error within ``timeout_s``; ``/health`` and new requests get
+   503 naming ``ffn rank 0``; the supervisor restarts the FFN rank while
+   requests keep arriving (each one 503 or exact); the attention ranks rejoin
+   it and the workload is token-identical to plain vLLM.
+2. **FFN SIGSTOP** (idle): the heartbeat silence takes ``/health`` to 503
+   within ``timeout_s``; then an FFN rank with **other weights** starts in its
+   place and the handshake refuses it naming ``model_digest`` while the
+   attention role keeps waiting; the right one rejoins, output exact again.
+3. **Attention SIGKILL**: the supervisor stops the deployment with an error
+   that says an attention rank cannot rejoin.
+
+No attention process restarts in 1 and 2 (same pids throughout).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from harness import (
-    assert_ffn_kill_fails_requests,
+    FAULT_RESULTS,
+    assert_same_outputs,
     complete,
     make_spec,
+    plain_outputs,
+    prompts,
+    run_workload,
     served_model,
     start,
 )
 
+from vllm_afd.cli.launch import LaunchError
+from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
 pytestmark = pytest.mark.e2e
 
-TIMEOUT_S = 10.0
-LONG = 450  # new tokens: far more than decode in the 2 s before the kill
+TIMEOUT_S = 4.0  # connector timeout_s: the bound on detecting a hung FFN
+HEARTBEAT_S = 0.5
+RECOVER_S = 240.0  # an FFN restart on two busy cores, with the backoff
+TEXTS = prompts(6)
+ARGS = ["--dtype", "float32", "--enforce-eager"]
 
 
-def _start(tiny_models):
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _wait(cond, timeout: float, what: str) -> float:
+    """Poll ``cond`` until true; the seconds it took. Fails naming ``what``."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+class Supervisor:
+    """``Deployment.supervise`` every 0.5 s on a thread, as ``launch`` runs it."""
+
+    def __init__(self, afd) -> None:
+        self.afd = afd
+        self.error: LaunchError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.afd.supervise()
+            except LaunchError as e:
+                self.error = e
+                return
+
+    def __enter__(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_models):
+    spec = make_spec(tiny_models["deepseek_v2"], ARGS)
+    return plain_outputs(spec, TEXTS)
+
+
+def _stream_until_error(url: str, model: str, first: threading.Event, out: dict):
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": "experts " * 20,
+            "max_tokens": 400,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    events = []
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    events.append(json.loads(line[5:]))
+                    first.set()
+    except (urllib.error.URLError, OSError) as e:
+        out["exception"] = repr(e)
+    out["ended"] = time.monotonic()
+    out["events"] = events
+
+
+def _requests_during(url: str, model: str, stop: threading.Event, seen: list):
+    """Requests one after another until ``stop``: (status, completion)."""
+    while not stop.is_set():
+        try:
+            seen.append((200, complete(url, model, TEXTS[0], 8, False, 60)))
+        except urllib.error.HTTPError as err:
+            seen.append((err.code, err.read().decode()))
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("a", [1, 2], ids=["1A1F", "2A1F"])
+def test_attention_survives_its_ffn_rank(tiny_models, plain, tmp_path, a):
+    model = tiny_models["deepseek_v2"]
+    spec = make_spec(
+        model,
+        ARGS,
+        attention_ranks=a,
+        connector_extra_config={
+            "timeout_s": TIMEOUT_S,
+            "heartbeat_interval_s": HEARTBEAT_S,
+        },
+        ffn_restarts=3,
+    )
+    afd, log = start(spec)
+    url, figures = afd.api_url, {}
+    try:
+        name = served_model(url)
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=1e-4)
+        attention_pid = afd.attention.proc.pid
+
+        # 1. SIGKILL mid-stream, restarted by the supervisor under load.
+        first, outcome = threading.Event(), {}
+        stream = threading.Thread(
+            target=_stream_until_error, args=(url, name, first, outcome)
+        )
+        stream.start()
+        assert first.wait(60), "no streamed token before the kill"
+        with Supervisor(afd) as supervisor:
+            killed = time.monotonic()
+            os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+            stream.join(TIMEOUT_S + 30)
+            assert not stream.is_alive(), "the in-flight stream hung"
+            figures["stream error"] = outcome["ended"] - killed
+            assert outcome["ended"] - killed <= TIMEOUT_S
+            last = outcome["events"][-1]
+            assert "error" in last and len(outcome["events"]) < 400, last
+            _wait(lambda: _get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503")
+            figures["/health 503"] = time.monotonic() - killed
+            code, text = _get(f"{url}/health")
+            assert code == 503 and "ffn rank 0" in text, text
+            stop, seen = threading.Event(), []
+            load = threading.Thread(
+                target=_requests_during, args=(url, name, stop, seen)
+            )
+            load.start()
+            ffn_up = _wait(afd.ffn.healthy, RECOVER_S, "the restarted FFN rank")
+            rejoined = _wait(
+                lambda: _get(f"{url}/health")[0] == 200, 30, "attention /health 200"
+            )
+            time.sleep(1.0)  # a few requests after the rejoin
+            stop.set()
+            load.join(90)
+            assert supervisor.error is None, supervisor.error
+        figures["FFN restarted, healthy"] = ffn_up
+        figures["rejoin after FFN healthy"] = rejoined
+        refused = [s for s in seen if s[0] == 503]
+        served = [s[1] for s in seen if s[0] == 200]
+        assert refused and all("ffn rank 0" in s[1] for s in refused), seen[:3]
+        assert all(s[0] in (200, 503) for s in seen), seen
+        assert served, "no request was served after the rejoin"
+        one = complete(url, name, TEXTS[0], 8, False)
+        assert all(c.token_ids == one.token_ids for c in served)
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=1e-4)
+        assert afd.attention.proc.pid == attention_pid
+        assert afd.attention.exit_code() is None
+
+        # 2. SIGSTOP: the heartbeat finds it; other weights are refused.
+        stopped = time.monotonic()
+        os.killpg(afd.ffn.proc.pid, signal.SIGSTOP)
+        seen_down = _wait(
+            lambda: _get(f"{url}/health")[0] == 503, TIMEOUT_S + 2, "/health 503"
+        )
+        figures["hung FFN detected"] = seen_down
+        assert "heartbeat" in _get(f"{url}/health")[1]
+        os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+        afd.ffn.proc.wait(30)
+        right_argv = list(afd.ffn.argv)
+        other = write_tiny_checkpoint(tmp_path / "other", num_layers=4, seed=1)
+        afd.ffn.argv = [str(other) if x == str(model) else x for x in right_argv]
+        afd.ffn.start(log)
+        _wait(lambda: afd.ffn.exit_code() is not None, RECOVER_S, "the refused FFN")
+        _wait(lambda: "model_digest" in _attention_lines(log), 30, "the refusal")
+        assert _get(f"{url}/health")[0] == 503
+        afd.ffn.argv = right_argv
+        afd.ffn.start(log)
+        _wait(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
+        _wait(lambda: _get(f"{url}/health")[0] == 200, 30, "attention /health 200")
+        figures["recovered after SIGSTOP"] = time.monotonic() - stopped
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=1e-4)
+        assert afd.attention.proc.pid == attention_pid
+        status = json.loads(_get(f"{url}/afd/status")[1])
+        assert status["ready"] and len(status["ranks"]) == a
+        assert all(r["losses"] == 2 and r["rejoins"] == 2 for r in status["ranks"])
+
+        # 3. Attention SIGKILL: the deployment stops, saying why.
+        os.killpg(afd.attention.proc.pid, signal.SIGKILL)
+        with Supervisor(afd) as supervisor:
+            _wait(lambda: supervisor.error is not None, 60, "the supervisor to stop")
+        assert "cannot rejoin" in str(supervisor.error)
+        assert all(p.exit_code() is not None for p in afd.processes)
+    finally:
+        afd.stop()
+    FAULT_RESULTS.append(
+        f"{a}A1F: " + ", ".join(f"{k} {v:.2f}s" for k, v in figures.items())
+    )
+
+
+def _attention_lines(log) -> str:
+    return "\n".join(
+        ln for ln in log.getvalue().splitlines() if ln.startswith("[attention]")
+    )
+
+
+def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models, plain):
+    """2A2F, ffn rank 1 SIGKILLed: attention rank 1 loses it, ffn rank 0 sees
+    its membership end and re-forms the session (its own attention rank goes
+    down too), every rank answers 503 until the supervisor's restart of ffn
+    rank 1 has rejoined; ffn rank 0 and the attention server keep running,
+    and the output is exact after."""
     spec = make_spec(
         tiny_models["deepseek_v2"],
-        ["--dtype", "float32", "--enforce-eager"],
-        connector_extra_config={"timeout_s": TIMEOUT_S},
+        ARGS,
+        attention_ranks=2,
+        ffn_ranks=2,
+        connector_extra_config={
+            "timeout_s": TIMEOUT_S,
+            "heartbeat_interval_s": HEARTBEAT_S,
+        },
+        ffn_restarts=3,
     )
-    return start(spec)
-
-
-def test_ffn_killed_mid_decode_fails_requests_within_timeout(tiny_models):
-    afd, log = _start(tiny_models)
+    afd, log = start(spec)
+    url, figures = afd.api_url, {}
     try:
-        assert_ffn_kill_fails_requests(afd, LONG, after_s=2.0, join_s=TIMEOUT_S + 60)
+        name = served_model(url)
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=1e-4)
+        ffn0, ffn1 = afd.ffns
+        pids = (afd.attention.proc.pid, ffn0.proc.pid)
+        with Supervisor(afd) as supervisor:
+            killed = time.monotonic()
+            os.killpg(ffn1.proc.pid, signal.SIGKILL)
+            _wait(lambda: _get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503")
+            figures["/health 503"] = time.monotonic() - killed
+            code, text = _get(f"{url}/v1/models")
+            assert code == 200  # GET routes stay
+            status = json.loads(_get(f"{url}/afd/status")[1])
+            down = {r["attention_rank"] for r in status["ranks"] if not r["up"]}
+            assert 1 in down, status
+            _wait(
+                lambda: all(not r["up"] for r in _status(url)["ranks"]),
+                TIMEOUT_S + 5,
+                "every attention rank to pause",
+            )
+            figures["every rank paused"] = time.monotonic() - killed
+            _wait(ffn1.healthy, RECOVER_S, "the restarted ffn rank 1")
+            _wait(lambda: _status(url)["ready"], 60, "every rank to rejoin")
+            figures["rejoined"] = time.monotonic() - killed
+            assert supervisor.error is None, supervisor.error
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=1e-4)
+        assert (afd.attention.proc.pid, ffn0.proc.pid) == pids
+        assert "re-forms the deployment" in log.getvalue()
     finally:
         afd.stop()
-    text = log.getvalue()
-    assert "ffn rank 0" in text, text[-3000:]
+    FAULT_RESULTS.append(
+        "2A2F (ffn rank 1 SIGKILL): "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in figures.items())
+    )
 
 
-def test_attention_stop_makes_ffn_exit_cleanly(tiny_models):
-    afd, _ = _start(tiny_models)
-    try:
-        model = served_model(afd.api_url)
-        complete(afd.api_url, model, "hello", 4, stream=False)
-        afd.attention.stop(timeout=60)
-        deadline = time.monotonic() + 60
-        while afd.ffn.exit_code() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert afd.ffn.exit_code() == 0
-    finally:
-        afd.stop()
+def _status(url: str) -> dict:
+    return json.loads(_get(f"{url}/afd/status")[1])

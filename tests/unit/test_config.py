@@ -55,6 +55,7 @@ def test_parse_minimal_config_fills_defaults() -> None:
         "connect_timeout_s": 600.0,
         "warmup_timeout_s": 600.0,
         "backend": "auto",
+        "heartbeat_interval_s": 1.0,
         "secret_file": "",
     }
 
@@ -318,7 +319,10 @@ def test_parse_unknown_connector_extra_key_names_valid_keys() -> None:
             "afd.connector_extra_config.timeout is not an option of connector 'p2p'"
         ),
     )
-    assert "valid keys: backend, connect_timeout_s, secret_file, timeout_s" in str(err)
+    assert (
+        "valid keys: backend, connect_timeout_s, heartbeat_interval_s, secret_file, "
+        "timeout_s" in str(err)
+    )
 
 
 def test_parse_loopback_connector_rejects_p2p_only_extra_key() -> None:

@@ -46,10 +46,14 @@ def test_extra_config_defaults_and_int_for_float():
         "connect_timeout_s": 600.0,
         "warmup_timeout_s": 600.0,
         "backend": "auto",
+        "heartbeat_interval_s": 1.0,
         "secret_file": "",
     }
     out = validate_extra_config("P2pNcclAFDConnector", {"timeout_s": 5})
     assert out["timeout_s"] == 5.0 and isinstance(out["timeout_s"], float)
+    # A short timeout without a heartbeat interval gets a quarter of it.
+    assert out["heartbeat_interval_s"] == 1.0
+    assert validate_extra_config("p2p", {"timeout_s": 2})["heartbeat_interval_s"] == 0.5
     assert "backend" not in validate_extra_config("loopback", {})
 
 
@@ -57,8 +61,10 @@ def test_extra_config_defaults_and_int_for_float():
     ("extra", "match"),
     [
         ({"timeout": 1}, r"connector_extra_config.timeout is not an option of "
-         r"connector 'p2p'; valid keys: backend, connect_timeout_s, secret_file, "
-         r"timeout_s"),
+         r"connector 'p2p'; valid keys: backend, connect_timeout_s, "
+         r"heartbeat_interval_s, secret_file, timeout_s"),
+        ({"timeout_s": 2, "heartbeat_interval_s": 2}, r"heartbeat_interval_s=2 must "
+         r"be shorter than timeout_s=2"),
         ({"timeout_s": "5"}, r"timeout_s='5' has type str; it must be a number"),
         ({"timeout_s": True}, r"has type bool"),
         ({"timeout_s": 0}, r"must be > 0 seconds"),

@@ -58,12 +58,14 @@ ORIGINAL_VICTIM = _victim
 
 
 def _declared_patches() -> list[Patch]:
+    from vllm_afd.compat import engine_step
     from vllm_afd.compat.engine_config import CREATE_ENGINE_CONFIG
     from vllm_afd.config import parse_afd_config
     from vllm_afd.models import construction
     from vllm_afd.models.families import FAMILIES
     from vllm_afd.models.ffn_layers import SELECT_EXPERTS
     from vllm_afd.models.moe_tail import ROUTED_SCALE
+    from vllm_afd.serving import ffn_availability
     from vllm_afd.worker.attention_side import GRAPH_CAPTURE, GRAPH_REPLAY
     from vllm_afd.worker.runner_swap import CPU_RUNNER
 
@@ -85,6 +87,10 @@ def _declared_patches() -> list[Patch]:
         GRAPH_REPLAY,
         SELECT_EXPERTS,
         ROUTED_SCALE,
+        engine_step.STEP,
+        engine_step.STEP_WITH_BATCH_QUEUE,
+        engine_step.LOG_ERROR_DETAIL,
+        ffn_availability.INIT_MIDDLEWARE,
         *family_patches.values(),
     ]
 

@@ -4,8 +4,10 @@ One ``vllm serve`` for the attention role (``--data-parallel-size M`` when
 M > 1), which answers the OpenAI API, and one per FFN rank (``afd.rank``),
 each on its own port, answering no completions. The launcher
 waits until both report healthy, prints the API URL, streams each process's
-log with a prefix, and stops everything on Ctrl-C, SIGTERM, or when any
-process exits (non-zero, naming it).
+log with a prefix, and stops everything on Ctrl-C, SIGTERM, or when an
+attention process exits (naming it). An FFN rank that exits or hangs is
+restarted with a backoff (``--ffn-restarts``, ``--ffn-health-timeout``);
+the attention ranks rejoin it and serve on.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ class RoleProcess:
     headless: bool = False  # vLLM --headless: no API server, nothing to probe
     proc: subprocess.Popen[bytes] | None = None
     _pump: threading.Thread | None = None
+    # supervision (Deployment.supervise): when the process last started,
+    # whether it answered /health since, and when /health last answered
+    started_at: float = 0.0
+    healthy_since_start: bool = False
+    last_healthy: float = 0.0
+    restarts: int = 0  # in a row: reset once the rank ran STABLE_S
+    restart_at: float | None = None
+
+    @property
+    def is_ffn(self) -> bool:
+        return self.name.startswith("ffn")
 
     @property
     def url(self) -> str:
@@ -58,6 +71,8 @@ class RoleProcess:
         return f"http://{connect_host(self.host)}:{self.port}"
 
     def start(self, log: IO[str] | None) -> None:
+        self.started_at = time.monotonic()
+        self.healthy_since_start = False
         self.proc = subprocess.Popen(
             self.argv,
             env=self.env,
@@ -115,6 +130,10 @@ class RoleProcess:
 
 #: seconds a role's engine and workers may outlive its server when it stops
 GROUP_GRACE_S = 5.0
+#: seconds an FFN rank must run before its restarts in a row count from 0
+STABLE_S = 60.0
+#: the longest wait before restarting an FFN rank
+MAX_BACKOFF_S = 30.0
 #: seconds a role that is still starting gets to stop on SIGTERM (vLLM 0.32.0
 #: defers SIGTERM while its API server waits for the engine to be ready)
 STARTING_STOP_S = 5.0
@@ -213,6 +232,10 @@ class DeploymentSpec:
     attention_nodes: tuple[int, ...] | None = None
     ffn_nodes: tuple[int, ...] | None = None
     dp_rpc_port: int | None = None  # None: afd_port + 2
+    # supervision (Deployment.supervise)
+    ffn_restarts: int = 10
+    ffn_health_timeout_s: float = 30.0
+    ready_timeout_s: float = 600.0
 
     def placement(self) -> Placement:
         """Node of every rank (everything on node 0 without ``hosts``).
@@ -266,6 +289,11 @@ class DeploymentSpec:
             ffn_args=getattr(args, "ffn_args", []),
             attention_devices=getattr(args, "attention_devices", None),
             ffn_devices=getattr(args, "ffn_devices", None),
+            ffn_restarts=getattr(args, "ffn_restarts", cls.ffn_restarts),
+            ffn_health_timeout_s=getattr(
+                args, "ffn_health_timeout", cls.ffn_health_timeout_s
+            ),
+            ready_timeout_s=getattr(args, "ready_timeout", cls.ready_timeout_s),
         )
 
     def role_devices(self) -> tuple[str | None, list[str | None]]:
@@ -570,6 +598,87 @@ class Deployment:
     def dead(self) -> RoleProcess | None:
         return next((p for p in self.processes if p.exit_code() is not None), None)
 
+    def supervise(self, now: float | None = None) -> None:
+        """One round of supervision of a ready deployment (``launch`` calls
+        it every second): an FFN rank that exited, or whose ``/health`` has
+        not answered for ``spec.ffn_health_timeout_s`` (hung: it is
+        SIGKILLed), starts again after a backoff of 1, 2, 4 … 30 s; the
+        attention ranks rejoin it by themselves. It gives up after
+        ``spec.ffn_restarts`` restarts in a row (a rank that then runs
+        :data:`STABLE_S` starts the count again).
+
+        Raises:
+            LaunchError: an attention process exited (an attention rank
+                cannot rejoin: the deployment stops), an FFN rank exited with
+                restarts off or used up; every role is stopped first.
+        """
+        now = time.monotonic() if now is None else now
+        for proc in self.processes:
+            if proc.restart_at is not None:
+                if now >= proc.restart_at:
+                    proc.restart_at = None
+                    self._say(f"starting {proc.name} again (restart {proc.restarts})")
+                    proc.start(self.log)
+                continue
+            code = proc.exit_code()
+            if code is None and proc.is_ffn and not proc.headless:
+                code = self._probe(proc, now)
+            if code is None:
+                continue
+            if not proc.is_ffn:
+                self.stop()
+                raise LaunchError(
+                    f"the {proc.name} process exited with code {code}; an "
+                    "attention rank cannot rejoin a running deployment, so every "
+                    "role stops"
+                )
+            if now - proc.started_at >= STABLE_S:
+                proc.restarts = 0
+            if proc.restarts >= self.spec.ffn_restarts:
+                self.stop()
+                why = (
+                    "restarts are off (--ffn-restarts 0)"
+                    if self.spec.ffn_restarts == 0
+                    else f"it failed {proc.restarts} restarts in a row"
+                )
+                raise LaunchError(
+                    f"the {proc.name} process exited with code {code} and {why}"
+                )
+            proc.restarts += 1
+            delay = min(2.0 ** (proc.restarts - 1), MAX_BACKOFF_S)
+            proc.restart_at = now + delay
+            self._say(
+                f"{proc.name} exited with code {code}; restarting it in "
+                f"{delay:.0f}s (restart {proc.restarts} of at most "
+                f"{self.spec.ffn_restarts} in a row)"
+            )
+
+    def _probe(self, proc: RoleProcess, now: float) -> int | None:
+        """None while ``proc`` is fine; else what to report as its exit code
+        after killing it (it was healthy, and has not answered /health for
+        ``ffn_health_timeout_s``, or never answered within ``ready_timeout``)."""
+        if proc.healthy():
+            proc.healthy_since_start, proc.last_healthy = True, now
+            return None
+        if proc.healthy_since_start:
+            silent = now - proc.last_healthy
+            if silent < self.spec.ffn_health_timeout_s:
+                return None
+            why = f"has not answered /health for {silent:.0f}s (hung)"
+        elif now - proc.started_at < self.spec.ready_timeout_s:
+            return None
+        else:
+            why = f"did not become healthy within {self.spec.ready_timeout_s:.0f}s"
+        self._say(f"{proc.name} {why}; killing it")
+        if proc.proc is not None:
+            _signal_group(proc.proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.proc.wait(10)
+        return proc.exit_code()
+
+    def _say(self, line: str) -> None:
+        print(f"vllm-afd launch: {line}", file=sys.stderr, flush=True)
+
     def check_alive(self) -> None:
         dead = self.dead()
         if dead is not None:
@@ -615,8 +724,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "launch",
         help="start and supervise an AFD deployment",
         description="Start every role process, wait until ready, print the API "
-        "URL; stop all on Ctrl-C, SIGTERM, or when one dies. Arguments after "
-        "`--` go to every `vllm serve`.",
+        "URL; restart an FFN rank that exits or hangs (the attention ranks "
+        "rejoin it); stop all on Ctrl-C, SIGTERM, or when an attention process "
+        "dies. Arguments after `--` go to every `vllm serve`.",
         formatter_class=DefaultsHelp,
     )
     p.add_argument("model", help="model directory or name, as for vllm serve")
@@ -679,10 +789,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="seconds to wait for every role to answer /health",
+        help="seconds to wait for every role to answer /health (also for a "
+        "restarted FFN rank)",
+    )
+    p.add_argument(
+        "--ffn-restarts",
+        type=_non_negative_int,
+        default=10,
+        help="restart an FFN rank that exits or hangs, with a backoff of 1, 2, "
+        "4 ... 30 s, at most this many times in a row (0: off; the deployment "
+        "stops when an FFN rank exits)",
+    )
+    p.add_argument(
+        "--ffn-health-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an FFN rank may leave /health unanswered before it counts "
+        "as hung and is killed (and restarted)",
     )
     p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
+
+
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return n
 
 
 def add_host_flags(p: argparse.ArgumentParser) -> None:
@@ -794,7 +927,7 @@ def run_launch(args: argparse.Namespace) -> int:
         started.set()
         print(ready_line(deployment), flush=True)
         while not stop.is_set():
-            deployment.check_alive()
+            deployment.supervise()
             stop.wait(1.0)
     except (KeyboardInterrupt, _Stopped):
         pass

@@ -91,6 +91,7 @@ def _wrap_create_engine_config(original: Any) -> Any:
         from vllm_afd import raise_if_registration_failed
 
         raise_if_registration_failed()
+        parent_server = envs.server_pid()
         envs.mark_server_process()
         _enable_worker_metrics()
         worker_cls_was_auto = self.worker_cls == "auto"
@@ -104,6 +105,18 @@ def _wrap_create_engine_config(original: Any) -> Any:
             from vllm_afd.serving import ffn_refusal
 
             ffn_refusal.install()
+        else:
+            from vllm_afd.compat import engine_step
+            from vllm_afd.serving import ffn_availability
+
+            engine_step.install()  # before the engine process forks, if it does
+            # With data parallelism vLLM serves the API from child processes
+            # that build their config again; the ranks write under the pid of
+            # the server that started the engines, their parent.
+            if parent_server is not None and parent_server == os.getppid():
+                ffn_availability.install(parent_server, owner=False)
+            else:
+                ffn_availability.install(os.getpid())
         return config
 
     return create_engine_config

@@ -116,8 +116,17 @@ class AFDConnector(ConnectorCore):
             PROTOCOL_VERSION, self.topology.name, self.fingerprint.digest,
         )  # fmt: skip
 
-    def close(self) -> None:
-        """Send SHUTDOWN, free sockets and the process group. Idempotent."""
+    @property
+    def rejoining(self) -> str | None:
+        """FFN side, once ``recv_plan`` returned None: why the session ended
+        for a rendezvous again (a member left, or a peer left to rejoin);
+        None when the peers shut down for good."""
+        return self._control.reform
+
+    def close(self, reason: str | None = None) -> None:
+        """Send SHUTDOWN (with ``reason``; begin it with ``protocol.REJOIN``
+        when this endpoint rendezvous again), free sockets and the process
+        group. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -130,7 +139,7 @@ class AFDConnector(ConnectorCore):
                 except AFDError:
                     break  # the peer is gone; nothing left to flush
         self._pending_sends.clear()
-        self._control.close(f"{self.role.value} rank {self.role_rank} closed")
+        self._control.close(reason or f"{self.role.value} rank {self.role_rank} closed")
         self._data.close()
 
     # ------------------------------------------------------------- attention
@@ -174,7 +183,8 @@ class AFDConnector(ConnectorCore):
 
         def lost(peer: int, why: str) -> None:
             if not self._closed:
-                on_lost(f"{self._peer_name(peer)} {why}")
+                name = "the deployment" if peer < 0 else self._peer_name(peer)
+                on_lost(f"{name} {why}")
 
         self._control.watch_peers(lost)
 

@@ -55,6 +55,10 @@ class Rendezvous:
 class ControlPlane(ABC):
     """Per-step metadata between one endpoint and its peers."""
 
+    #: FFN side: why the session ended for a rendezvous again (a member left,
+    #: or a peer shut down to rejoin); set before ``recv_plans`` returns None
+    reform: str | None = None
+
     @abstractmethod
     def start(self, fingerprint: Fingerprint) -> Rendezvous:
         """Rendezvous with every endpoint and run the handshake.

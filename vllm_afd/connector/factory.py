@@ -108,6 +108,14 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 "data plane: auto (nccl for cuda devices, else gloo), gloo, nccl",
                 ("auto", "gloo", "nccl"),
             ),
+            "heartbeat_interval_s": Option(
+                float,
+                1.0,
+                "how often an FFN rank sends a heartbeat to each attention peer "
+                "(default 1 s, at most timeout_s / 4); an attention rank that "
+                "hears nothing for timeout_s counts the FFN rank as gone (hung, "
+                "stopped or cut off)",
+            ),
             "secret_file": Option(
                 str,
                 "",
@@ -224,8 +232,18 @@ def validate_extra_config(name: str, extra: Mapping[str, Any]) -> dict[str, Any]
                 f"{s.name!r}{hint}; valid keys: {', '.join(sorted(s.options))}"
             )
         out[key] = _check_option(s.name, key, value, opt)
+    beat_given = "heartbeat_interval_s" in out
     for key, opt in s.options.items():
         out.setdefault(key, opt.default)
+    beat = out.get("heartbeat_interval_s")
+    if beat is not None and not beat_given:
+        out["heartbeat_interval_s"] = beat = min(beat, out["timeout_s"] / 4)
+    if beat is not None and beat >= out["timeout_s"]:
+        raise AFDConfigError(
+            f"afd.connector_extra_config.heartbeat_interval_s={beat:g} must be "
+            f"shorter than timeout_s={out['timeout_s']:g}: an FFN rank is counted "
+            "as gone after timeout_s without a heartbeat"
+        )
     return out
 
 

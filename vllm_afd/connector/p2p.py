@@ -7,7 +7,8 @@ NCCL (CUDA tensors) process group (``p2p_data``) on a ``TCPStore`` at
 
 Options (``connector_extra_config``): ``timeout_s`` (60), ``warmup_timeout_s``
 (600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl``),
-``secret_file`` (none; or the ``AFD_SECRET`` variable, see ``connector.auth``).
+``heartbeat_interval_s`` (1), ``secret_file`` (none; or the ``AFD_SECRET``
+variable, see ``connector.auth``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def build(
         role=config.role,
         role_rank=role_rank,
         timeout_s=timeout_s,
+        warmup_timeout_s=max(timeout_s, extra["warmup_timeout_s"]),
         connect_timeout_s=connect_timeout_s,
         secret=auth.load_secret(extra["secret_file"]),
+        heartbeat_interval_s=extra["heartbeat_interval_s"],
     )
     data = P2PDataPlane(
         host=config.host,

@@ -1,10 +1,18 @@
-"""Control plane of the p2p connector: plans and SHUTDOWN over plain TCP.
+"""Control plane of the p2p connector: plans, heartbeats and SHUTDOWN over
+plain TCP.
 
 FFN rank 0 listens on ``afd.host:afd.port`` for the rendezvous (see
 ``p2p_rendezvous``); afterwards every attention rank holds one connection to
 the FFN rank that serves it. The FFN side waits on its peers' sockets and a
 wake-up pipe with ``select``, so a dead peer (EOF) or ``close()`` from another
 thread ends an idle wait at once.
+
+Every ``heartbeat_interval_s`` the FFN side sends a HEARTBEAT on each of its
+connections, from a thread of its own (compute does not delay it). An
+attention rank that has heard nothing from its FFN rank for ``timeout_s``
+counts it as gone (hung, stopped, or cut off), as it does an EOF or SHUTDOWN;
+until it planned its first served (EAGER or REPLAY) step the limit is
+``warmup_timeout_s``, as for the waits of start-up steps.
 """
 
 from __future__ import annotations
@@ -15,17 +23,21 @@ import os
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from vllm_afd.connector import auth, p2p_rendezvous, protocol
 from vllm_afd.connector.control import ControlPlane, Rendezvous
 from vllm_afd.connector.p2p_wire import Channel
-from vllm_afd.connector.protocol import Fingerprint, MsgType, StepPlan
+from vllm_afd.connector.protocol import ExecMode, Fingerprint, MsgType, StepPlan
 from vllm_afd.errors import AFDPeerError, AFDProtocolError, AFDTimeoutError
 from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology
 
 logger = logging.getLogger(__name__)
+_HEARTBEAT = MsgType.HEARTBEAT.value
+#: the peer ``watch_peers`` names when the session itself ends
+SESSION = -1
 
 
 class P2PControlPlane(ControlPlane):
@@ -42,12 +54,23 @@ class P2PControlPlane(ControlPlane):
         timeout_s: float,
         connect_timeout_s: float,
         secret: bytes | None = None,
+        warmup_timeout_s: float | None = None,
+        heartbeat_interval_s: float = 1.0,
     ) -> None:
         self._host, self._port, self._topo = host, port, topology
         self._secret = secret
         self._role, self._rank = role, role_rank
         self._timeout_s, self._connect_timeout_s = timeout_s, connect_timeout_s
+        self._heartbeat_s = heartbeat_interval_s
+        # the lagging-peer wait of a WARMUP/CAPTURE step (peers compile then)
+        self._warmup_timeout_s = max(timeout_s, warmup_timeout_s or timeout_s)
+        # Attention: a served step (EAGER or REPLAY) was planned; until then
+        # the heartbeat silence may last warmup_timeout_s (start-up compiles).
+        self._serving = False
         self._channels: list[Channel] = []
+        self._members: list[Channel] = []  # the session's membership (leg 1)
+        self._heard: list[float] = []  # per channel: when the peer last spoke
+        self._stop = threading.Event()
         self._peers = topology.peers(role, role_rank)
         other = AFDRole.FFN if role is AFDRole.ATTENTION else AFDRole.ATTENTION
         self._peer_global = [topology.global_rank(other, p) for p in self._peers]
@@ -75,7 +98,25 @@ class P2PControlPlane(ControlPlane):
                 fingerprint, self._connect_timeout_s, self._secret,
             )  # fmt: skip
         self._channels = joined.channels
+        self._members = joined.members
+        self._heard = [time.monotonic()] * len(self._channels)
+        if self._role is AFDRole.FFN and self._channels:
+            threading.Thread(
+                target=self._beat, name="afd-heartbeat", daemon=True
+            ).start()
         return Rendezvous(joined.session, joined.local_host)
+
+    def _beat(self) -> None:
+        """FFN side: a HEARTBEAT on every connection each interval."""
+        beat = protocol.heartbeat()
+        while not self._stop.wait(self._heartbeat_s):
+            with self._io_lock:
+                if self._closed:
+                    return
+                for ch in self._channels:
+                    if not ch.eof:
+                        with contextlib.suppress(AFDPeerError):
+                            ch.send(beat)
 
     # ---------------------------------------------------------- attention
     def send_plan(self, plan: StepPlan) -> None:
@@ -87,30 +128,57 @@ class P2PControlPlane(ControlPlane):
                     f"{ch.peer} {why}; cannot send the plan of step {plan.step_id}"
                 )
             ch.send(plan.to_wire())
+        if plan.mode in (ExecMode.EAGER, ExecMode.REPLAY):
+            self._serving = True
 
     def watch_peers(self, on_lost: Callable[[int, str], None]) -> None:
-        # The FFN rank sends nothing but SHUTDOWN on this socket, so it turns
-        # readable exactly when the peer leaves (SHUTDOWN or EOF).
+        # The FFN rank sends only HEARTBEAT and SHUTDOWN on this socket; the
+        # watch reads them as they come and looks at the silence at least
+        # every heartbeat interval.
+        period = min(1.0, self._heartbeat_s)
+
         def watch() -> None:
             ch = self._channels[0]
             while not self._closed:
+                socks = [self._wake_r, ch.sock, *(m.sock for m in self._members)]
                 try:
-                    ready, _, _ = select.select([self._wake_r, ch.sock], [], [], 1.0)
+                    ready, _, _ = select.select(socks, [], [], period)
                 except (OSError, ValueError):
                     return
                 if self._closed or self._wake_r in ready:
                     return
-                if not ready:
-                    continue
                 with self._io_lock:
-                    why = self._failure_of(0)
+                    peer, why = self._peer_global[0], self._failure_of(0)
+                    if why is None and (left := self._member_left()) is not None:
+                        peer, why = SESSION, f"re-forms: {left}"
                 if why is not None:
                     if not self._closed:
-                        on_lost(self._peer_global[0], why)
+                        on_lost(peer, why)
                     return
-                time.sleep(0.05)  # readable without a whole frame yet
 
         threading.Thread(target=watch, name="afd-peer-watch", daemon=True).start()
+
+    def _member_left(self) -> str | None:
+        """Who of the session's membership left to rendezvous again, or died;
+        None if nobody. A member that shuts down for good (a clean stop) is
+        let go: the deployment is stopping."""
+        for ch in list(self._members):
+            try:
+                ch.fill()
+            except AFDProtocolError as e:
+                return f"{ch.peer} sent garbage ({e})"
+            for msg in ch.inbox:
+                if msg["type"] == MsgType.SHUTDOWN.value:
+                    reason = str(msg.get("reason", ""))
+                    if reason.startswith(protocol.REJOIN):
+                        return f"{ch.peer} shut down ({reason})"
+                    self._members.remove(ch)
+                    ch.close()
+                    break
+            else:
+                if ch.eof:
+                    return f"{ch.peer} closed its connection (it exited or was killed)"
+        return None
 
     # ---------------------------------------------------------------- ffn
     def recv_plans(self) -> list[StepPlan] | None:
@@ -124,7 +192,9 @@ class P2PControlPlane(ControlPlane):
                 if ch.inbox:
                     msg = ch.inbox.popleft()
                     if msg["type"] == MsgType.SHUTDOWN.value:
-                        self._shutdown[i] = str(msg.get("reason", ""))
+                        reason = self._shutdown[i] = str(msg.get("reason", ""))
+                        if reason.startswith(protocol.REJOIN):
+                            self.reform = f"{ch.peer} shut down ({reason})"
                         return None
                     if msg["type"] != MsgType.PLAN.value:
                         raise AFDProtocolError(
@@ -142,19 +212,26 @@ class P2PControlPlane(ControlPlane):
                 return plans  # type: ignore[return-value]
             timeout = None
             if first_at is not None:
-                timeout = first_at + self._timeout_s - time.monotonic()
+                first = next(p for p in plans if p is not None)
+                slow = first.mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
+                limit = self._warmup_timeout_s if slow else self._timeout_s
+                timeout = first_at + limit - time.monotonic()
                 if timeout <= 0:
                     missing = [chans[i].peer for i, p in enumerate(plans) if p is None]
-                    step = next(p.step_id for p in plans if p is not None)
                     raise AFDTimeoutError(
-                        f"timed out after {self._timeout_s}s waiting for the plan "
-                        f"of step {step} from {', '.join(missing)}"
+                        f"timed out after {limit}s waiting for the plan "
+                        f"of step {first.step_id} from {', '.join(missing)}"
                     )
             waiting = [c for i, c in enumerate(chans) if not (plans[i] or c.inbox)]
             if self._closed:
                 return None
+            if (left := self._member_left()) is not None:
+                self.reform = left
+                return None
             try:
-                ready, _, _ = select.select([self._wake_r, *waiting], [], [], timeout)
+                ready, _, _ = select.select(
+                    [self._wake_r, *waiting, *self._members], [], [], timeout
+                )
             except (OSError, ValueError):
                 if self._closed:
                     return None
@@ -182,12 +259,28 @@ class P2PControlPlane(ControlPlane):
             ch.fill()
         except AFDProtocolError as e:
             return f"sent garbage ({e})"
+        if self._role is AFDRole.ATTENTION:
+            # What the FFN side sends: HEARTBEAT (consumed here), SHUTDOWN.
+            beats = len(ch.inbox)
+            ch.inbox = deque(m for m in ch.inbox if m["type"] != _HEARTBEAT)
+            if beats != len(ch.inbox):
+                self._heard[index] = time.monotonic()
         for msg in list(ch.inbox):
             if msg["type"] == MsgType.SHUTDOWN.value:
                 self._shutdown[index] = str(msg.get("reason", ""))
                 return f"shut down ({self._shutdown[index]})"
         if ch.eof:
             return "closed its connection (it exited or was killed)"
+        if self._role is AFDRole.ATTENTION and index < len(self._heard):
+            silent = time.monotonic() - self._heard[index]
+            key, limit = "timeout_s", self._timeout_s
+            if not self._serving:  # warming up: the FFN may be slow to answer
+                key, limit = "warmup_timeout_s", self._warmup_timeout_s
+            if silent > limit:
+                return (
+                    f"sent no heartbeat for {silent:.1f}s ({key}={limit:g}): it "
+                    "is hung, stopped or cut off"
+                )
         return None
 
     def close(self, reason: str = "closed") -> None:
@@ -195,9 +288,10 @@ class P2PControlPlane(ControlPlane):
             if self._closed:
                 return
             self._closed = True
+        self._stop.set()
         os.write(self._wake_w, b"x")
         with self._io_lock:
-            for ch in self._channels:
+            for ch in [*self._channels, *self._members]:
                 if not ch.eof:
                     with contextlib.suppress(AFDPeerError):
                         ch.send(protocol.shutdown(reason))

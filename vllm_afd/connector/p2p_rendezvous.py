@@ -14,8 +14,11 @@
       ffn k --ACCEPT--> attention a
 
 Attention ranks served by ffn 0 keep their leg-1 connection as control
-channel. Everyone retries its connects until the deadline, so roles may start
-in either order.
+channel; every other endpoint keeps its leg-1 connection as the session's
+membership: ffn 0 watches them all, and whoever leaves (SHUTDOWN or EOF)
+ends the session for everyone, who then rendezvous again (``p2p_control``).
+Everyone retries its connects until the deadline, so roles may start in
+either order.
 
 An endpoint that gets no WELCOME within :data:`GREETING_S`, or bytes that
 are not the protocol, fails at once: what listens there is not vllm-afd. A
@@ -27,6 +30,7 @@ an endpoint whose ``auth`` does not answer its nonce with the shared secret
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import select
 import socket
@@ -78,6 +82,10 @@ class Joined:
     session: str
     local_host: str
     channels: list[Channel]
+    #: leg-1 connections kept for the session's membership: on ffn rank 0
+    #: those of every endpoint it does not serve, elsewhere the one to ffn
+    #: rank 0 (when it is not the control channel)
+    members: list[Channel] = dataclasses.field(default_factory=list)
 
 
 def _name(role: AFDRole | str, rank: int) -> str:
@@ -321,10 +329,8 @@ def serve(
         for ch in fresh:
             ch.close()
     mine = [seen[(AFDRole.ATTENTION, a)] for a in topo.attention_peers(0)]
-    for ch in seen.values():
-        if ch not in mine:
-            ch.close()
-    return Joined(session, _local_host(host), mine)
+    members = [ch for ch in seen.values() if ch not in mine]
+    return Joined(session, _local_host(host), mine, members)
 
 
 def _local_host(host: str) -> str:
@@ -376,16 +382,14 @@ def join(
         accept = _await_reply(hub, deadline, connect_timeout_s, what)
         session = accept["session"]
         if role is AFDRole.FFN:
-            hub.close()
             assert own is not None
             chans = _accept_joins(
                 own, topo, rank, session, deadline, connect_timeout_s, secret
             )
-            return Joined(session, local_host, chans)
+            return Joined(session, local_host, chans, [hub])
         k = topo.ffn_peer(rank)
         if k == 0:
             return Joined(session, local_host, [hub])
-        hub.close()
         fhost, fport = accept["ffn_addrs"][k]
         hint = (
             f"It is the address ffn rank {k} announced: check that ffn rank {k} "
@@ -400,7 +404,7 @@ def join(
             ch.close()
             raise
         _await_reply(ch, deadline, connect_timeout_s, "the JOIN reply")
-        return Joined(session, ch.sock.getsockname()[0], [ch])
+        return Joined(session, ch.sock.getsockname()[0], [ch], [hub])
     except BaseException:
         hub.close()
         raise

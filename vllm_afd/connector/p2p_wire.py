@@ -18,6 +18,8 @@ from vllm_afd.connector import protocol
 from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
 
 _RETRY_S = 0.2
+#: seconds a control message may wait for room in the socket's send buffer
+SEND_S = 10.0
 #: how often a rendezvous wait logs who it is still waiting for
 PROGRESS_S = 10.0
 
@@ -128,17 +130,31 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, msg: dict[str, Any]) -> None:
-        """Send one message (blocking until written to the kernel)."""
-        data = protocol.encode(msg)
+        """Send one message, waiting until the kernel took all of it (at most
+        :data:`SEND_S`). The socket stays non-blocking: another thread may
+        be reading it (``fill``) at the same time.
+
+        Raises:
+            AFDPeerError: the connection is gone, or the peer has not read
+                what was sent before for :data:`SEND_S` seconds.
+        """
+        data = memoryview(protocol.encode(msg))
+        deadline = time.monotonic() + SEND_S
         try:
-            self.sock.setblocking(True)
-            self.sock.sendall(data)
+            while data:
+                try:
+                    data = data[self.sock.send(data) :]
+                except (BlockingIOError, InterruptedError):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise AFDPeerError(
+                            f"{self.peer} has read nothing for {SEND_S:.0f}s "
+                            "(hung or stopped)"
+                        ) from None
+                    select.select([], [self.sock], [], remaining)
         except OSError as e:
             self.eof = True
             raise AFDPeerError(f"{self.peer} is unreachable ({e})") from None
-        finally:
-            with contextlib.suppress(OSError):
-                self.sock.setblocking(False)
 
     def fill(self) -> None:
         """Read whatever is available now, never blocking; decode frames."""

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 #: the first field of every WELCOME: tells a vllm-afd listener from any other
 MAGIC = "vllm-afd"
@@ -61,6 +61,7 @@ class MsgType(str, enum.Enum):
     JOIN = "JOIN"
     PLAN = "PLAN"
     SHUTDOWN = "SHUTDOWN"
+    HEARTBEAT = "HEARTBEAT"
 
 
 class ExecMode(enum.IntEnum):
@@ -372,5 +373,14 @@ def join(role_rank: int, session: str, auth: str | None = None) -> dict[str, Any
     }
 
 
+#: how the SHUTDOWN reason of an endpoint that leaves to rendezvous again
+#: begins: its peers rendezvous again too, instead of stopping
+REJOIN = "rejoin: "
+
+
 def shutdown(reason: str) -> dict[str, Any]:
     return {"type": MsgType.SHUTDOWN.value, "reason": reason}
+
+
+def heartbeat() -> dict[str, Any]:
+    return {"type": MsgType.HEARTBEAT.value}

@@ -23,6 +23,13 @@ step.
 With attention tensor parallelism only TP rank 0 is a connector endpoint; it
 exchanges and broadcasts the F2A result to the other TP ranks, so a TP group
 never ships duplicate activations.
+
+Losing the FFN rank (``worker.ffn_link``): a connector error never leaves the
+forward. The exchange records it in :attr:`AttentionExchange.failure`, tells
+the link, and serves this and every later layer zeros without exchanging, so
+the forward (and every TP and DP collective in it) runs to its end; the runner
+then fails the step's requests. While the link is down, steps do the same from
+their first layer.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.connector.protocol import ExecMode, StepPlan
-from vllm_afd.errors import AFDConnectorError
+from vllm_afd.errors import AFDConnectorError, AFDError
 
 
 class AttentionExchange:
@@ -47,8 +54,15 @@ class AttentionExchange:
         tp_group: Any | None = None,
         on_step: Any | None = None,
         switch: Any | None = None,
+        link: Any | None = None,
     ) -> None:
-        self.connector = connector
+        # The connector of the current step (the link's, when there is one).
+        self.connector = connector if link is None else link.connector
+        self.link = link
+        # This process exchanges (TP rank 0); the others receive broadcasts.
+        self.is_endpoint = self.connector is not None
+        # Why the current step ran without its FFN rank (None: it did not).
+        self.failure: str | None = None
         self.tp_group = tp_group
         self.on_step = on_step
         # Micro-batches (``worker.ubatching``): which one runs, and hand-off.
@@ -69,8 +83,25 @@ class AttentionExchange:
             plan = StepPlan(self.step_id, mode, ubatch_tokens)
             if self.on_step is not None:
                 self.on_step(plan)
+            if self.link is not None:
+                self.connector = self.link.connector
+                if self.connector is None and self.failure is None:
+                    self.failure = self.link.state.why
             if self.connector is not None:
-                self.connector.send_plan(plan)
+                try:
+                    self.connector.send_plan(plan)
+                except AFDError as e:
+                    self._lost(e)
+
+    def _lost(self, error: AFDError) -> None:
+        """A connector call failed: without a link, raise it; with one, note
+        it, tell the link, and exchange nothing more this step."""
+        if self.link is None:
+            raise error
+        if self.failure is None:
+            self.failure = str(error)
+        self.connector = None
+        self.link.lost(str(error))
 
     def stage_ubatches(self, ubatch_tokens: tuple[int, ...]) -> None:
         """The runner split the next step: tokens per micro-batch."""
@@ -108,26 +139,38 @@ class AttentionExchange:
         # this layer's output after the next exchange, and under CUDA graph
         # capture the receive lands in the graph's memory pool.
         out = _output_like(hidden, parts)
-        if self.connector is not None:
+        if self.is_endpoint:
             ubatched = self.switch is not None and self.switch.active()
             ubatch = self.switch.index() if ubatched else 0
-            sent = self.connector.send_a2f(
-                layer_idx, ubatch, hidden.contiguous(), routing
-            )
-            received = self.connector.irecv_f2a(layer_idx, ubatch, out=out)
+            sent = received = None
+            if self.connector is not None:
+                try:
+                    sent = self.connector.send_a2f(
+                        layer_idx, ubatch, hidden.contiguous(), routing
+                    )
+                    received = self.connector.irecv_f2a(layer_idx, ubatch, out=out)
+                except AFDError as e:
+                    self._lost(e)
             if ubatched:
                 # The next micro-batch computes while this one is away. The
                 # transfers are issued in the order the FFN serves them, layer
                 # by layer and micro-batch by micro-batch.
                 self.switch.yield_()
-            received.wait()
-            if hidden.is_cuda:
-                # Join the send's stream back now (a stream wait, no host
-                # wait; the receive completes after the send anyway): a send
-                # left pending would be joined at the next step boundary,
-                # which may sit inside a graph capture that must not depend
-                # on uncaptured work. CPU sends are waited at that boundary.
-                sent.wait()
+            if received is not None and self.connector is not None:
+                try:
+                    received.wait()
+                    if hidden.is_cuda:
+                        # Join the send's stream back now (a stream wait, no
+                        # host wait; the receive completes after the send
+                        # anyway): a send left pending would be joined at the
+                        # next step boundary, which may sit inside a graph
+                        # capture that must not depend on uncaptured work. CPU
+                        # sends are waited at that boundary.
+                        sent.wait()
+                except AFDError as e:
+                    self._lost(e)
+            if self.failure is not None:
+                out.zero_()  # finite: the step's tokens are thrown away
         if self.tp_group is not None and self.tp_group.world_size > 1:
             out = self.tp_group.broadcast(out, src=0)
         return out

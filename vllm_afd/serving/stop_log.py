@@ -36,11 +36,30 @@ class EngineGoneFilter(logging.Filter):
         return True
 
 
+#: the worker's record of an exception it hands to the engine core
+WORKER_LOGGER = "vllm.v1.executor.multiproc_executor"
+WORKER_MESSAGE = "WorkerProc hit an exception."
+
+
+class FFNUnavailableFilter(logging.Filter):
+    """Drops the worker's traceback of ``AFDFFNUnavailable``: the FFN link
+    logged the loss (ERROR, naming the rank and why) and the engine core logs
+    the requests it fails; the step raising it is how they are failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.msg == WORKER_MESSAGE and type(exc).__name__ == "AFDFFNUnavailable"
+        )
+
+
 _FILTER = EngineGoneFilter()
+_WORKER_FILTER = FFNUnavailableFilter()
 
 
 def install() -> None:
-    """Add the filter to vLLM's async engine logger (idempotent)."""
-    log = logging.getLogger(LOGGER)
-    if _FILTER not in log.filters:
-        log.addFilter(_FILTER)
+    """Add the filters to vLLM's loggers (idempotent)."""
+    for name, f in ((LOGGER, _FILTER), (WORKER_LOGGER, _WORKER_FILTER)):
+        log = logging.getLogger(name)
+        if f not in log.filters:
+            log.addFilter(f)

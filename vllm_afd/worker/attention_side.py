@@ -13,7 +13,9 @@ from vllm.logger import init_logger
 from vllm_afd import envs
 from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.config import afd_config_of
+from vllm_afd.connector import factory
 from vllm_afd.connector.protocol import ExecMode
+from vllm_afd.errors import AFDFFNUnavailable
 from vllm_afd.models.exchange import (
     AttentionExchange,
     current_exchange,
@@ -21,7 +23,10 @@ from vllm_afd.models.exchange import (
 )
 from vllm_afd.models.layout import ModelSplit
 from vllm_afd.models.moe_tail import closing_add_fused
-from vllm_afd.worker.endpoint import open_endpoint
+from vllm_afd.serving import ffn_status
+from vllm_afd.serving.ffn_status import LinkState
+from vllm_afd.worker.endpoint import Endpoint, open_endpoint
+from vllm_afd.worker.ffn_link import FFNLink
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
 from vllm_afd.worker.runner_base import AFDRunnerMixin
@@ -121,6 +126,9 @@ class AttentionSideMixin(AFDRunnerMixin):
     """Opens the connector after load_model and installs the exchange the
     model's proxies call. Mixed in before a native model runner."""
 
+    afd_link: FFNLink | None = None
+    afd_exchange: AttentionExchange | None = None
+
     def afd_start(self) -> None:
         afd = afd_config_of(self.vllm_config)  # type: ignore[attr-defined]
         split = self.model.afd_split  # type: ignore[attr-defined]
@@ -132,25 +140,95 @@ class AttentionSideMixin(AFDRunnerMixin):
             self.device,  # type: ignore[attr-defined]
         )
         self.afd_endpoint = endpoint
+        link = None
         if endpoint.connector is not None:
-            self.afd_metrics = endpoint_publisher(
-                "attention", endpoint.role_rank, endpoint.connector
-            )
             if endpoint.connector.device.type == "cuda":
                 endpoint.connector.watch_peers(stop_engine_on_lost_peer)
+                stats_of = endpoint.connector
+            else:
+                link = self.afd_link = open_link(self.vllm_config, endpoint)  # type: ignore[attr-defined]
+                stats_of = link
+            self.afd_metrics = endpoint_publisher(
+                "attention", endpoint.role_rank, stats_of, link=link
+            )
         self.afd_profiler = StepProfiler(
             "attention", endpoint.role_rank, skip=envs.profile_skip()
         )
         tp_group = get_tp_group()
-        install_exchange(
-            AttentionExchange(
-                endpoint.connector,
-                tp_group if tp_group.world_size > 1 else None,
-                on_step=self.afd_profiler.step,
-                switch=UBatchSwitch() if afd.num_ubatches > 1 else None,
-            )
+        self.afd_exchange = AttentionExchange(
+            endpoint.connector,
+            tp_group if tp_group.world_size > 1 else None,
+            on_step=self.afd_profiler.step,
+            switch=UBatchSwitch() if afd.num_ubatches > 1 else None,
+            link=link,
         )
+        install_exchange(self.afd_exchange)
+
+    # A step that ran without its FFN rank fails its requests, and only them:
+    # the forward ran to its end (the exchange served zeros), the runner's
+    # state is whole, and AFDFFNUnavailable reaches the engine core, which
+    # ends those requests with an error (``compat.engine_step``).
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        link = self.afd_link
+        if link is None:
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        exchange = self.afd_exchange
+        with link.step():
+            exchange.failure = None
+            output = super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        if output is not None and exchange.failure is not None:
+            failure, exchange.failure = exchange.failure, None
+            raise AFDFFNUnavailable(failure)
+        return output  # None: sample_tokens follows
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        exchange = self.afd_exchange
+        if exchange is not None and exchange.failure is not None:
+            failure, exchange.failure = exchange.failure, None
+            raise AFDFFNUnavailable(failure)
+        return output
+
+    def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+        link = self.afd_link
+        if link is None:
+            return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]
+        with link.step():
+            try:
+                return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]
+            finally:
+                self.afd_exchange.failure = None  # no request to fail
 
     def afd_close(self) -> None:
         install_exchange(None)
+        if self.afd_link is not None:
+            self.afd_link.close()
+            self.afd_link = None
+            self.afd_endpoint = None  # its connector was the link's
         super().afd_close()
+
+
+def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink:
+    """The FFN link of this attention rank over its started connector; it
+    publishes its state for this server's API (``serving.ffn_status``)."""
+    afd, rank = endpoint.afd, endpoint.role_rank
+    server_pid = envs.server_pid()
+
+    def reconnect() -> Any:
+        connector = factory.create_connector(
+            afd, rank, endpoint.fingerprint, endpoint.connector.device
+        )
+        connector.start()
+        return connector
+
+    def publish(state: LinkState) -> None:
+        if server_pid is not None:
+            ffn_status.publish(server_pid, state)
+
+    return FFNLink(
+        endpoint.connector,
+        reconnect,
+        attention_rank=rank,
+        ffn_rank=endpoint.topology.ffn_peer(rank),
+        publish=publish,
+    )

@@ -41,9 +41,9 @@ class Endpoint:
     fingerprint: Fingerprint
     connector: Any | None
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
         if self.connector is not None:
-            self.connector.close()
+            self.connector.close(reason)
 
 
 def fingerprint_of(

@@ -198,5 +198,10 @@ class FFNLoop:
             self._thread.join(timeout)
 
     @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called (the worker shuts down)."""
+        return self._stopping.is_set()
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

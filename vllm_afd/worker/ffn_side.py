@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 from vllm_afd import envs
 from vllm_afd.config import afd_config_of
 from vllm_afd.connector.payloads import A2FBatch, Routing
+from vllm_afd.connector.protocol import REJOIN
 from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
 from vllm_afd.models.protocols import RoleSplitModel
 from vllm_afd.worker.endpoint import open_endpoint
@@ -90,10 +92,16 @@ class FFNSideMixin(AFDRunnerMixin):
         self.afd_profiler = StepProfiler(
             "ffn", endpoint.role_rank, skip=envs.profile_skip()
         )
+        self._afd_serve(connector)
+
+    def _afd_serve(self, connector: Any) -> None:
+        """Run an FFN loop (and its metrics) over ``connector``."""
+        endpoint = self.afd_endpoint
+        assert endpoint is not None and self.afd_profiler is not None
         self.afd_loop = FFNLoop(
             connector,
             self._afd_compute,
-            split.remote_layers,
+            endpoint.split.remote_layers,
             on_exit=self._afd_loop_exited,
             on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
@@ -103,6 +111,35 @@ class FFNSideMixin(AFDRunnerMixin):
                 "ffn", endpoint.role_rank, endpoint.connector, self.afd_loop
             )
         self.afd_loop.start()
+
+    def _afd_rendezvous_again(self, why: str) -> None:
+        """The session ended for a rendezvous again (``why``): close this
+        endpoint, open a new one (waits up to ``connect_timeout_s``), serve
+        it; the server stops when that fails."""
+        old = self.afd_endpoint
+        assert old is not None
+        logger.warning(
+            "AFD ffn rank %d: %s; the deployment re-forms, rendezvous again at "
+            "%s:%d",
+            old.role_rank, why, old.afd.host, old.afd.port,
+        )  # fmt: skip
+        if self.afd_metrics is not None:
+            self.afd_metrics.stop()
+            self.afd_metrics = None
+        old.close(f"{REJOIN}ffn rank {old.role_rank} re-forms the deployment: {why}")
+        try:
+            self.afd_endpoint = open_endpoint(
+                self.vllm_config,  # type: ignore[attr-defined]
+                old.afd,
+                old.split,
+                self.device,  # type: ignore[attr-defined]
+            )
+        except AFDError as e:
+            self.afd_endpoint = None
+            self._afd_stop_server(f"the rendezvous again failed: {e}")
+            return
+        logger.info("AFD ffn rank %d: serving again", old.role_rank)
+        self._afd_serve(self.afd_endpoint.connector)
 
     def _afd_step_graphs(self) -> StepGraphs | None:
         """CUDA graphs of whole steps, where the device has them."""
@@ -160,18 +197,32 @@ class FFNSideMixin(AFDRunnerMixin):
             )
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
+        endpoint = self.afd_endpoint
+        connector = endpoint.connector if endpoint is not None else None
+        again = getattr(connector, "rejoining", None) if error is None else None
+        stopping = self.afd_loop is not None and self.afd_loop.stopping
+        if again is not None and not stopping and get_tp_group().world_size == 1:
+            # Off the loop's thread: the rendezvous waits for the others.
+            threading.Thread(
+                target=self._afd_rendezvous_again,
+                args=(again,),
+                name="afd-ffn-rejoin",
+                daemon=True,
+            ).start()
+            return
         if self.afd_profiler is not None:
             self.afd_profiler.close()  # on the loop's thread, which traced
         if error is None and envs.keep_ffn_alive():
             return
+        self._afd_stop_server(
+            "attention peers shut down" if error is None else f"loop failed: {error}"
+        )
+
+    def _afd_stop_server(self, why: str) -> None:
         pid = envs.server_pid()
         if pid is None:
             return
-        logger.info(
-            "AFD FFN role stopping its server (pid %d): %s",
-            pid,
-            "attention peers shut down" if error is None else f"loop failed: {error}",
-        )
+        logger.info("AFD FFN role stopping its server (pid %d): %s", pid, why)
         os.kill(pid, signal.SIGTERM)
 
     def afd_close(self) -> None:

@@ -18,6 +18,11 @@ Metric names (labels ``role``, ``rank``)::
     afd_errors_total                     connector errors
     afd_ffn_graph_replays_total          steps replayed from CUDA graphs (FFN role)
     afd_ffn_ubatched_steps_total         steps of two or more micro-batches (FFN role)
+    afd_ffn_losses_total                 times this attention rank lost its FFN rank
+    afd_ffn_rejoins_total                times its FFN rank came back (rejoined)
+
+On the attention role the connector counters add up over every connector the
+rank had: one per rejoin (``worker.ffn_link``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ METRICS = {
         "afd_ffn_ubatched_steps",
         "AFD steps the FFN role served as two or more micro-batches",
     ),
+    "losses": ("afd_ffn_losses", "AFD times this attention rank lost its FFN rank"),
+    "rejoins": ("afd_ffn_rejoins", "AFD times the FFN rank rejoined this rank"),
 }
 
 
@@ -100,9 +107,14 @@ class MetricsPublisher:
 
 
 def endpoint_publisher(
-    role: str, rank: int, connector: Any, loop: Any | None = None
+    role: str,
+    rank: int,
+    connector: Any,
+    loop: Any | None = None,
+    link: Any | None = None,
 ) -> MetricsPublisher:
-    """A started publisher for one endpoint's connector (and FFN loop)."""
+    """A started publisher for one endpoint's connector (anything with
+    ``stats``: a connector, an FFN link), FFN loop and FFN link."""
 
     def snapshot() -> dict[str, float]:
         stats = connector.stats
@@ -118,6 +130,9 @@ def endpoint_publisher(
             values["tokens"] = loop.stats.tokens
             values["graph_replays"] = loop.stats.graph_replays
             values["ubatched_steps"] = loop.stats.ubatched_steps
+        if link is not None:
+            values["losses"] = link.state.losses
+            values["rejoins"] = link.state.rejoins
         return values
 
     return MetricsPublisher(role, rank, snapshot).start()

@@ -1,0 +1,135 @@
+"""The attention rank's FFN link: lost, served zeros, rejoined (loopback, no vLLM).
+
+A real FFN loop serves the attention exchange over the in-process loopback
+connector; the FFN endpoint closes mid-run, and ``reconnect`` brings up a new
+FFN endpoint on another port, as a restarted FFN rank would be.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_ffn_loop import LAYERS, _compute, _pair, _start_all
+
+from vllm_afd.errors import AFDProtocolError
+from vllm_afd.models.exchange import AttentionExchange
+from vllm_afd.worker import ffn_link
+from vllm_afd.worker.ffn_link import FFNLink
+from vllm_afd.worker.ffn_loop import FFNLoop
+
+
+def _served_pair():
+    """A started (FFN loop, attention connector) pair."""
+    ffn, (att,) = _pair()
+    _start_all(ffn, att)
+    loop = FFNLoop(ffn, _compute, LAYERS)
+    loop.start()
+    return loop, att
+
+
+def _step(exchange: AttentionExchange, tokens: int = 3) -> list[torch.Tensor]:
+    """One step through every layer: (sent, received) per layer."""
+    exchange.failure = None
+    exchange.begin_step(tokens)
+    out = []
+    for layer in LAYERS:
+        hidden = torch.randn(tokens, 8)
+        out.append((hidden, exchange.exchange(hidden, layer)))
+    return out
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
+def test_a_lost_ffn_rank_serves_zeros_fails_the_step_and_rejoins(monkeypatch):
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    loop, att = _served_pair()
+    loops = [loop]
+    states = []
+
+    def reconnect():
+        new_loop, new_att = _served_pair()
+        loops.append(new_loop)
+        return new_att
+
+    link = FFNLink(att, reconnect, attention_rank=0, ffn_rank=0, publish=states.append)
+    exchange = AttentionExchange(None, link=link)
+    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
+        assert torch.equal(got, _compute(layer, _Batch(hidden)))
+    assert exchange.failure is None and link.state.up
+
+    loop.stop()  # the FFN rank goes away (its connector closes)
+    results = _step(exchange)
+    assert exchange.failure is not None, "a step without its FFN rank passed"
+    assert all(torch.count_nonzero(got) == 0 for _, got in results[1:])
+    _wait(lambda: link.state.up)  # rejoined through reconnect()
+    assert link.state.losses == 1 and link.state.rejoins == 1
+    assert [s.up for s in states] == [True, False, True]
+    assert states[1].why == exchange.failure or states[1].why in exchange.failure
+
+    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
+        assert torch.equal(got, _compute(layer, _Batch(hidden)))
+    assert exchange.failure is None
+    link.close()
+    for each in loops:
+        each.stop()
+
+
+class _Batch:
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+def test_steps_while_down_fail_at_once_and_a_refused_rank_is_retried(monkeypatch):
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    loop, att = _served_pair()
+    attempts: list[str] = []
+    release = threading.Event()
+    loops = [loop]
+
+    def reconnect():
+        if not release.is_set():
+            attempts.append("refused")
+            raise AFDProtocolError("fingerprint mismatch: model_digest")
+        new_loop, new_att = _served_pair()
+        loops.append(new_loop)
+        return new_att
+
+    link = FFNLink(att, reconnect, attention_rank=0, ffn_rank=0)
+    exchange = AttentionExchange(None, link=link)
+    link.lost("ffn rank 0 closed its connection")
+    link.lost("ffn rank 0 closed its connection")  # idempotent while down
+    assert not link.state.up and link.state.losses == 1
+    _wait(lambda: len(attempts) >= 3)  # refused, retried, still waiting
+    assert not link.state.up
+    start = time.monotonic()
+    results = _step(exchange)
+    assert time.monotonic() - start < 1.0  # no wait for a missing rank
+    assert exchange.failure == "ffn rank 0 closed its connection"
+    assert all(torch.count_nonzero(got) == 0 for _, got in results)
+    release.set()
+    _wait(lambda: link.state.up)
+    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
+        assert torch.equal(got, _compute(layer, _Batch(hidden)))
+    link.close()
+    link.lost("after close")  # nothing happens after close()
+    assert link.state.up
+    for each in loops:
+        each.stop()
+
+
+def test_without_a_link_a_connector_error_still_raises():
+    loop, att = _served_pair()
+    exchange = AttentionExchange(att)
+    _step(exchange)
+    loop.stop()
+    with pytest.raises(Exception, match="ffn rank 0"):
+        _step(exchange)
+    att.close()

@@ -1,0 +1,142 @@
+"""``Deployment.supervise``: what the launcher does when a role dies or hangs.
+
+The role processes are real: a small HTTP server answering ``/health`` stands
+in for each ``vllm serve`` (supervision only sees processes and ``/health``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from vllm_afd.cli.launch import (
+    MAX_BACKOFF_S,
+    Deployment,
+    DeploymentSpec,
+    LaunchError,
+    RoleProcess,
+)
+
+SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _role(name: str) -> RoleProcess:
+    port = _free_port()
+    argv = [sys.executable, "-c", SERVER, str(port)]
+    return RoleProcess(name, argv, port, dict(os.environ))
+
+
+def _deployment(**spec_kw) -> Deployment:
+    deployment = Deployment(DeploymentSpec(model="m", **spec_kw), log=None)
+    deployment.processes = [_role("ffn"), _role("attention")]
+    for proc in deployment.processes:
+        proc.start(None)
+    deadline = time.monotonic() + 30
+    while not all(p.healthy() for p in deployment.processes):
+        assert time.monotonic() < deadline, "the stand-in servers never answered"
+        time.sleep(0.05)
+    deployment.ready = True
+    return deployment
+
+
+def _supervise_until(deployment: Deployment, cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "supervision never got there"
+        deployment.supervise()
+        time.sleep(0.05)
+
+
+def test_a_dead_ffn_rank_is_restarted_with_backoff(capsys):
+    deployment = _deployment(ffn_restarts=3)
+    ffn = deployment.processes[0]
+    try:
+        first = ffn.proc.pid
+        os.killpg(first, signal.SIGKILL)
+        ffn.proc.wait()
+        deployment.supervise()
+        assert ffn.restart_at is not None and ffn.restarts == 1
+        assert "ffn exited with code -9; restarting it in 1s" in capsys.readouterr().err
+        _supervise_until(deployment, lambda: ffn.exit_code() is None, 5)
+        assert ffn.proc.pid != first
+        _supervise_until(deployment, ffn.healthy, 30)
+        assert "starting ffn again (restart 1)" in capsys.readouterr().err
+        # A second death in a row waits twice as long.
+        os.killpg(ffn.proc.pid, signal.SIGKILL)
+        ffn.proc.wait()
+        now = time.monotonic()
+        deployment.supervise(now)
+        assert ffn.restarts == 2 and ffn.restart_at == pytest.approx(now + 2.0)
+        assert MAX_BACKOFF_S == 30.0
+    finally:
+        deployment.stop(5)
+
+
+def test_restarts_used_up_or_off_stop_the_deployment():
+    for restarts, why in ((0, "restarts are off"), (1, "failed 1 restarts in a row")):
+        deployment = _deployment(ffn_restarts=restarts)
+        ffn = deployment.processes[0]
+        try:
+            for _ in range(restarts):
+                os.killpg(ffn.proc.pid, signal.SIGKILL)
+                ffn.proc.wait()
+                _supervise_until(deployment, lambda f=ffn: f.exit_code() is None, 5)
+            os.killpg(ffn.proc.pid, signal.SIGKILL)
+            ffn.proc.wait()
+            with pytest.raises(LaunchError, match=why):
+                deployment.supervise()
+            assert all(p.exit_code() is not None for p in deployment.processes)
+        finally:
+            deployment.stop(5)
+
+
+def test_a_hung_ffn_rank_is_killed_and_restarted(capsys):
+    deployment = _deployment(ffn_restarts=2, ffn_health_timeout_s=1.0)
+    ffn = deployment.processes[0]
+    try:
+        deployment.supervise()  # healthy: nothing to do
+        stopped = ffn.proc.pid
+        os.killpg(stopped, signal.SIGSTOP)
+        _supervise_until(deployment, lambda: ffn.restart_at is not None, 10)
+        err = capsys.readouterr().err
+        assert re.search(
+            r"ffn has not answered /health for \d+s \(hung\); killing", err
+        )
+        assert ffn.proc.returncode == -signal.SIGKILL
+        _supervise_until(deployment, ffn.healthy, 30)
+        assert ffn.proc.pid != stopped
+    finally:
+        deployment.stop(5)
+
+
+def test_a_dead_attention_process_stops_every_role():
+    deployment = _deployment()
+    try:
+        attention = deployment.processes[1]
+        os.killpg(attention.proc.pid, signal.SIGKILL)
+        attention.proc.wait()
+        with pytest.raises(LaunchError, match="an attention rank cannot rejoin"):
+            deployment.supervise()
+        assert deployment.processes[0].exit_code() is not None
+    finally:
+        deployment.stop(5)

@@ -1,0 +1,195 @@
+"""An attention rank's link to its FFN rank: lost, then rejoined, never fatal.
+
+::
+
+    up ──(connector error in a step, EOF, SHUTDOWN, no heartbeat, or the
+          session re-forms because another member left)──▶ down
+    down: steps run without exchanging (the exchange fills zeros) and fail
+          their requests (AFDFFNUnavailable); a thread waits for the step in
+          flight, closes the connector and runs the rendezvous again
+    down ──(a new connector started: handshake passed)──▶ up
+
+A rank that comes back with another model or topology is refused by the
+handshake (AFDProtocolError naming the fields); the link logs it and keeps
+waiting for a right one, every :data:`RETRY_S`. Each change is published for
+the API server (``serving.ffn_status``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import astuple
+from typing import Protocol
+
+from vllm.logger import init_logger
+
+from vllm_afd.connector.payloads import ConnectorStats
+from vllm_afd.connector.protocol import REJOIN
+from vllm_afd.errors import AFDError, AFDProtocolError
+from vllm_afd.serving.ffn_status import LinkState
+
+logger = init_logger(__name__)
+
+#: seconds between two rendezvous attempts after a failed one
+RETRY_S = 1.0
+
+
+class AttentionEndpoint(Protocol):
+    """What the link needs of an attention connector."""
+
+    @property
+    def stats(self) -> ConnectorStats: ...
+
+    def watch_peers(self, on_lost: Callable[[str], None]) -> None: ...
+
+    def close(self, reason: str | None = None) -> None: ...
+
+
+class FFNLink:
+    """The current connector of one attention rank, replaced when lost.
+
+    Args:
+        connector: the started connector.
+        reconnect: builds and starts a new one (blocks up to
+            ``connect_timeout_s``; raises AFDError when it cannot).
+        attention_rank, ffn_rank: whose link this is.
+        publish: called with every new :class:`LinkState`.
+    """
+
+    def __init__(
+        self,
+        connector: AttentionEndpoint,
+        reconnect: Callable[[], AttentionEndpoint],
+        *,
+        attention_rank: int,
+        ffn_rank: int,
+        publish: Callable[[LinkState], None] | None = None,
+    ) -> None:
+        self._connector: AttentionEndpoint | None = connector
+        self._reconnect = reconnect
+        self._publish = publish
+        self._lock = threading.Lock()  # state
+        self._steps = threading.RLock()  # held while a step uses the connector
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._old = ConnectorStats(0, 0, 0, 0.0, 0)  # of closed connectors
+        self.state = LinkState(attention_rank, ffn_rank, True, since=time.time())
+        self._changed(self.state)
+        connector.watch_peers(self.lost)
+
+    @property
+    def connector(self) -> AttentionEndpoint | None:
+        """The connector to exchange through; None while the FFN is away."""
+        return self._connector if self.state.up else None
+
+    @property
+    def stats(self) -> ConnectorStats:
+        """Counters of every connector this link has had, summed."""
+        c = self._connector
+        return _added(self._old, c.stats) if c is not None else self._old
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Hold the connector for one step: a lost one is closed after it."""
+        with self._steps:
+            yield
+
+    def lost(self, why: str) -> None:
+        """The FFN rank is gone (``why`` names it): go down, then rejoin.
+        Idempotent while down; nothing happens after :meth:`close`."""
+        with self._lock:
+            if self._closed or not self.state.up:
+                return
+            s = self.state
+            self.state = LinkState(
+                s.attention_rank, s.ffn_rank, False, why, time.time(),
+                s.losses + 1, s.rejoins,
+            )  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._rejoin, name="afd-ffn-rejoin", daemon=True
+            )
+        logger.error(
+            "AFD attention rank %d lost ffn rank %d: %s. Its requests fail and "
+            "new ones are refused (HTTP 503) until the FFN rank rejoins",
+            s.attention_rank, s.ffn_rank, why,
+        )  # fmt: skip
+        self._changed(self.state)
+        self._thread.start()
+
+    def _rejoin(self) -> None:
+        with self._steps:  # the step in flight ends first (its waits are bounded)
+            old, self._connector = self._connector, None
+        s = self.state
+        if old is not None:
+            self._old = _added(self._old, old.stats)
+            # The reason tells an FFN rank that is still there (it was cut
+            # off, or others left) to rendezvous again rather than stop.
+            old.close(
+                f"{REJOIN}attention rank {s.attention_rank} lost ffn rank "
+                f"{s.ffn_rank}: {s.why}"
+            )
+        logger.info(
+            "AFD attention rank %d: waiting for ffn rank %d to rejoin (rendezvous "
+            "at the same address)",
+            s.attention_rank, s.ffn_rank,
+        )  # fmt: skip
+        while not self._closed:
+            try:
+                connector = self._reconnect()
+            except AFDProtocolError as e:
+                logger.error(
+                    "AFD attention rank %d: the FFN role came back but the "
+                    "handshake refused it, still waiting for a matching one: %s",
+                    s.attention_rank, e,
+                )  # fmt: skip
+            except AFDError as e:
+                logger.warning(
+                    "AFD attention rank %d: rendezvous with ffn rank %d failed, "
+                    "retrying: %s",
+                    s.attention_rank, s.ffn_rank, e,
+                )  # fmt: skip
+            else:
+                if self._install(connector):
+                    return
+            time.sleep(RETRY_S)
+
+    def _install(self, connector: AttentionEndpoint) -> bool:
+        with self._lock:
+            if self._closed:
+                connector.close()
+                return False
+            s = self.state
+            self._connector = connector
+            self.state = LinkState(
+                s.attention_rank, s.ffn_rank, True, "", time.time(),
+                s.losses, s.rejoins + 1,
+            )  # fmt: skip
+        logger.info(
+            "AFD attention rank %d: ffn rank %d rejoined after %.1fs; serving again",
+            s.attention_rank, s.ffn_rank, time.time() - s.since,
+        )  # fmt: skip
+        self._changed(self.state)
+        connector.watch_peers(self.lost)
+        return True
+
+    def _changed(self, state: LinkState) -> None:
+        if self._publish is not None:
+            try:
+                self._publish(state)
+            except OSError as e:  # the API side then sees the last state
+                logger.warning("AFD: cannot publish the FFN link state: %s", e)
+
+    def close(self) -> None:
+        """Close the connector; a rejoin in progress gives up. Idempotent."""
+        with self._lock:
+            self._closed = True
+            connector, self._connector = self._connector, None
+        if connector is not None:
+            connector.close()
+
+
+def _added(a: ConnectorStats, b: ConnectorStats) -> ConnectorStats:
+    return ConnectorStats(*(x + y for x, y in zip(astuple(a), astuple(b), strict=True)))
