@@ -614,6 +614,17 @@ class Deployment:
         """
         now = time.monotonic() if now is None else now
         for proc in self.processes:
+            code = proc.exit_code()
+            if not proc.is_ffn and code is not None:
+                self.stop()
+                raise LaunchError(
+                    f"the {proc.name} process exited with code {code}; an "
+                    "attention rank cannot rejoin a running deployment, so every "
+                    "role stops"
+                )
+        for proc in self.processes:
+            if not proc.is_ffn:
+                continue
             if proc.restart_at is not None:
                 if now >= proc.restart_at:
                     proc.restart_at = None
@@ -621,17 +632,10 @@ class Deployment:
                     proc.start(self.log)
                 continue
             code = proc.exit_code()
-            if code is None and proc.is_ffn and not proc.headless:
+            if code is None and not proc.headless:
                 code = self._probe(proc, now)
             if code is None:
                 continue
-            if not proc.is_ffn:
-                self.stop()
-                raise LaunchError(
-                    f"the {proc.name} process exited with code {code}; an "
-                    "attention rank cannot rejoin a running deployment, so every "
-                    "role stops"
-                )
             if now - proc.started_at >= STABLE_S:
                 proc.restarts = 0
             if proc.restarts >= self.spec.ffn_restarts:
