@@ -10,8 +10,8 @@ lifetime:
    ends with an error within ``timeout_s``; ``/health`` and new requests get
    503 naming ``ffn rank 0``; the supervisor restarts the FFN rank while
    requests keep arriving (each one 503 or exact); the attention ranks rejoin
-   it, a prompt served before the fault hits the prefix cache, and the
-   workload is token-identical to plain vLLM.
+   it, a prompt served before the fault hits the prefix cache (1A1F: one
+   engine, one cache), and the workload is token-identical to plain vLLM.
 2. **FFN SIGSTOP** (idle): the heartbeat silence takes ``/health`` to 503
    within ``timeout_s``; then an FFN rank with **other weights** starts in its
    place and the handshake refuses it naming ``model_digest`` while the
@@ -231,11 +231,14 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         assert served, "no request was served after the rejoin"
         one = complete(url, name, TEXTS[0], 8, False)
         assert all(c.token_ids == one.token_ids for c in served)
-        # The prefix cache outlived the fault: a prompt served only before it
-        # hits the cache now (only the failed step's blocks were evicted).
-        hits = _prefix_cache_hits(url)
-        complete(url, name, TEXTS[13], 4, False)  # 180 words: full blocks
-        assert _prefix_cache_hits(url) > hits, "the prefix cache was lost"
+        if a == 1:
+            # The prefix cache outlived the fault: a prompt served only before
+            # it hits the cache now (only the failed step's blocks were
+            # evicted). With data parallelism each engine has a cache of its
+            # own and vLLM routes by load, so a hit is not certain there.
+            hits = _prefix_cache_hits(url)
+            complete(url, name, TEXTS[13], 4, False)  # 180 words: full blocks
+            assert _prefix_cache_hits(url) > hits, "the prefix cache was lost"
         assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=ATOL)
         assert afd.attention.proc.pid == attention_pid
         assert afd.attention.exit_code() is None
