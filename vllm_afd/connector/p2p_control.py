@@ -259,8 +259,9 @@ class P2PControlPlane(ControlPlane):
             ch.fill()
         except AFDProtocolError as e:
             return f"sent garbage ({e})"
-        if self._role is AFDRole.ATTENTION:
+        if self._role is AFDRole.ATTENTION and ch.inbox:
             # What the FFN side sends: HEARTBEAT (consumed here), SHUTDOWN.
+            # (send_plan comes here every step: nothing to do when nothing came)
             beats = len(ch.inbox)
             ch.inbox = deque(m for m in ch.inbox if m["type"] != _HEARTBEAT)
             if beats != len(ch.inbox):
