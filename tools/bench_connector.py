@@ -17,6 +17,8 @@ time over 16. Step plans are host messages outside graphs and not included.
 
     python tools/bench_connector.py                       # CPU, Gloo
     python tools/bench_connector.py --device cuda         # NCCL, eager and graph
+    python tools/bench_connector.py --device cuda --backend cuda_ipc
+        # CUDA IPC; on one GPU (MPS on) raw is the device-copy floor
     python tools/bench_connector.py --json out.json --iters 200
 
 Dimensions: T tokens, H hidden size.
@@ -71,8 +73,9 @@ def _schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 def _connector(args, role: str, hidden: int, port: int, device: torch.device):
     cfg = parse_afd_config(
-        {"role": role, "host": "127.0.0.1", "port": port, "connector": "p2p"}
-    )
+        {"role": role, "host": "127.0.0.1", "port": port, "connector": "p2p",
+         "connector_extra_config": {"backend": args.backend}}
+    )  # fmt: skip
     fp = Fingerprint(
         arch="bench", hidden_size=hidden, dtype=args.dtype, num_layers=LAYERS,
         moe_layers=tuple(range(LAYERS)), num_experts=1, top_k=1,
@@ -82,7 +85,25 @@ def _connector(args, role: str, hidden: int, port: int, device: torch.device):
     return create_connector(cfg, 0, fp, device)
 
 
-def _raw_group(args, rank: int, port: int) -> dist.ProcessGroup:
+class _CopyFloor:
+    """The raw baseline where NCCL cannot run (both roles on one GPU): the
+    attention side copies the tensor there and back on the device (what a
+    round trip moves), the FFN side does nothing."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._mid: torch.Tensor | None = None
+
+    def round_trip(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self._mid is None or self._mid.shape != x.shape:
+            self._mid = torch.empty_like(x)
+        self._mid.copy_(x)
+        out.copy_(self._mid)
+
+
+def _raw_group(args, rank: int, port: int) -> dist.ProcessGroup | _CopyFloor:
+    if args.raw == "copy":
+        return _CopyFloor(rank)
     td = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port + 2, None, rank == 0, td)
     prefix = dist.PrefixStore("raw/", store)
@@ -118,6 +139,7 @@ def _attention(args, port: int, q: Any) -> None:
     device, dtype = _setup(args, 0, 0)
     pg = _raw_group(args, 1, port)
     gloo = device.type == "cpu"
+    copy_floor = isinstance(pg, _CopyFloor)
     rows = []
     plan_id = 0
     for hid in args.hidden:
@@ -139,7 +161,9 @@ def _attention(args, port: int, q: Any) -> None:
                 for which in (i % 2, 1 - i % 2):
                     _sync(device)
                     t0 = time.perf_counter()
-                    if which == 0:
+                    if which == 0 and copy_floor:
+                        pg.round_trip(x, buf)
+                    elif which == 0:
                         # The schedule the connector uses: on Gloo the receive
                         # is posted first (fast path); on NCCL it must follow
                         # the send, or it would block the stream ahead of it.
@@ -187,6 +211,9 @@ def _graph_attention(args, conn, pg, x: torch.Tensor, step: int) -> tuple[float,
     raw_graph, conn_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(raw_graph):
         for layer in range(GRAPH_LAYERS):
+            if isinstance(pg, _CopyFloor):
+                pg.round_trip(x, outs[layer])
+                continue
             w = pg.send([x], 0, layer)
             r = pg.recv([outs[layer]], 0, layer)
             w.wait()
@@ -214,10 +241,13 @@ def _graph_attention(args, conn, pg, x: torch.Tensor, step: int) -> tuple[float,
 def _graph_ffn(args, conn, pg, buf: torch.Tensor) -> None:
     """The FFN half of :func:`_graph_attention`: echo graphs, same order."""
     raw_graph, conn_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(raw_graph):
-        for layer in range(GRAPH_LAYERS):
-            pg.recv([buf], 1, layer).wait()
-            pg.send([buf], 1, layer).wait()
+    if isinstance(pg, _CopyFloor):
+        raw_graph = None
+    else:
+        with torch.cuda.graph(raw_graph):
+            for layer in range(GRAPH_LAYERS):
+                pg.recv([buf], 1, layer).wait()
+                pg.send([buf], 1, layer).wait()
     plan = conn.recv_plan()
     assert plan is not None and plan.mode is ExecMode.CAPTURE
     with torch.cuda.graph(conn_graph):
@@ -226,13 +256,14 @@ def _graph_ffn(args, conn, pg, buf: torch.Tensor) -> None:
             conn.send_f2a(layer, 0, batch.hidden)
         conn.flush()
     for _ in range(args.warmup + args.iters):
-        raw_graph.replay()
+        if raw_graph is not None:
+            raw_graph.replay()
         conn_graph.replay()
     torch.cuda.synchronize()
 
 
 def _ffn(args, port: int) -> None:
-    device, dtype = _setup(args, 1, 1)
+    device, dtype = _setup(args, 1, 1 % max(torch.cuda.device_count(), 1))
     pg = _raw_group(args, 0, port)
     for hid in args.hidden:
         conn = _connector(args, "ffn", hid, port, device)
@@ -249,6 +280,8 @@ def _ffn(args, port: int) -> None:
                     sent.clear()
                     assert conn.recv_plan() is not None
                 for which in (i % 2, 1 - i % 2):
+                    if which == 0 and isinstance(pg, _CopyFloor):
+                        continue
                     if which == 0:
                         pg.recv([buf], 1, i % 1024).wait()
                         sent.append(pg.send([buf], 1, i % 1024))
@@ -315,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-pin", dest="pin", action="store_false",
         help="do not pin each role to its own CPU core",
     )  # fmt: skip
+    p.add_argument(
+        "--backend", choices=("auto", "nccl", "cuda_ipc", "gloo"), default="auto",
+        help="the connector's data plane (connector_extra_config.backend)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument(
         "--timeout", type=float, default=3600.0,
@@ -323,9 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         p.error(f"--dtype {args.dtype} is not a torch dtype (e.g. bfloat16)")
+    # The raw baseline: send/recv on the backend's own process group, or, where
+    # NCCL cannot pair the roles (one GPU), the device copy a round trip is.
+    args.raw = "group"
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        print("--device cuda needs 2 GPUs", file=sys.stderr)
-        return 2
+        if args.backend != "cuda_ipc":
+            print("--device cuda needs 2 GPUs, or --backend cuda_ipc (both roles "
+                  "on one GPU; start MPS first)", file=sys.stderr)  # fmt: skip
+            return 2
+        args.raw = "copy"
     ctx = mp.get_context("spawn")
     port = _free_port()
     q = ctx.Queue()
@@ -340,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for proc in procs:
         proc.join(60)
-    print(f"A2F+F2A round trip, {args.device}, {args.dtype}, median of "
-          f"{args.iters} iterations, raw and connector interleaved")  # fmt: skip
+    raw = "device copy there and back" if args.raw == "copy" else "send/recv"
+    print(f"A2F+F2A round trip, {args.device}, {args.dtype}, backend "
+          f"{args.backend}, raw = {raw}, median of {args.iters} iterations, raw "
+          "and connector interleaved")  # fmt: skip
     print(_table(rows))
     ratios = [r["ratio"] for r in rows]
     print(f"ratio connector/raw: median {statistics.median(ratios):.3f}, "

@@ -25,6 +25,7 @@ import torch
 
 from vllm_afd.config import AFDRole, parse_afd_config
 from vllm_afd.connector import (
+    ExchangeLimits,
     ExecMode,
     Fingerprint,
     Routing,
@@ -61,6 +62,8 @@ class Scenario:
     ffn_stop_after: int | None = None
     # (role, rank) -> fingerprint field overrides (mismatch tests).
     fp_override: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    # more connector_extra_config keys of every endpoint (e.g. backend)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def fingerprint(sc: Scenario, role: str, rank: int) -> Fingerprint:
@@ -140,12 +143,14 @@ def _connector(sc: Scenario, role: str, rank: int, **options: Any):
             "connector_extra_config": {
                 "timeout_s": sc.timeout_s,
                 "connect_timeout_s": sc.connect_timeout_s,
+                **sc.options,
                 **options,
             },
         }
     )
+    limits = ExchangeLimits(max_tokens=64, ubatches=sc.num_ubatches)
     return create_connector(
-        cfg, rank, fingerprint(sc, role, rank), _device(sc, role, rank)
+        cfg, rank, fingerprint(sc, role, rank), _device(sc, role, rank), limits
     )
 
 

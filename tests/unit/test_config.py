@@ -55,6 +55,7 @@ def test_parse_minimal_config_fills_defaults() -> None:
         "connect_timeout_s": 600.0,
         "warmup_timeout_s": 600.0,
         "backend": "auto",
+        "allow_time_slicing": False,
         "heartbeat_interval_s": 1.0,
         "secret_file": "",
     }
@@ -320,8 +321,8 @@ def test_parse_unknown_connector_extra_key_names_valid_keys() -> None:
         ),
     )
     assert (
-        "valid keys: backend, connect_timeout_s, heartbeat_interval_s, secret_file, "
-        "timeout_s" in str(err)
+        "valid keys: allow_time_slicing, backend, connect_timeout_s, "
+        "heartbeat_interval_s, secret_file, timeout_s" in str(err)
     )
 
 

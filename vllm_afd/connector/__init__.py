@@ -16,6 +16,7 @@ _EXPORTS = {
     "AFDConnector": "connector",
     "canonical_name": "factory",
     "create_connector": "factory",
+    "ExchangeLimits": "factory",
     "registered_names": "factory",
     "validate_extra_config": "factory",
     "A2FBatch": "payloads",

@@ -101,7 +101,7 @@ class AFDConnector(ConnectorCore):
         self._started = True
         try:
             self._data.prepare()
-            rendezvous = self._control.start(self.fingerprint)
+            rendezvous = self._control.start(self.fingerprint, self._data.setup)
             self._data.start(rendezvous)
         except BaseException as e:
             self._errors += 1
@@ -143,11 +143,24 @@ class AFDConnector(ConnectorCore):
         self._data.close()
 
     # ------------------------------------------------------------- attention
+    def check(self) -> None:
+        """Raise what the data plane reported from the device since the last
+        call (cuda_ipc: a wait that timed out, was aborted, or met an
+        exchange it did not expect). Call it once the step's device work has
+        finished, before its results are used; ``send_plan`` and
+        ``recv_plan`` call it too.
+        """
+        try:
+            self._data.check()
+        except AFDError as e:
+            raise self._fail(e) from None
+
     def send_plan(self, plan: StepPlan) -> None:
         """Announce this rank's step to its FFN rank (outside any graph)."""
         self._check(ATT, "send_plan")
         self._drain_sends()
         try:
+            self._data.check()
             self._control.send_plan(plan)
         except AFDError as e:
             raise self._fail(e) from None
@@ -182,6 +195,7 @@ class AFDConnector(ConnectorCore):
         self._check(ATT, "watch_peers")
 
         def lost(peer: int, why: str) -> None:
+            self._data.abort()  # device-side waits (cuda_ipc) end now
             if not self._closed:
                 name = "the deployment" if peer < 0 else self._peer_name(peer)
                 on_lost(f"{name} {why}")
@@ -305,6 +319,7 @@ class AFDConnector(ConnectorCore):
         self._check(FFN, "recv_plan")
         self._drain_sends()
         try:
+            self._data.check()
             plans = self._control.recv_plans()
             if plans is None:
                 self._merged = self._tokens = None

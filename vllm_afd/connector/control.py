@@ -5,6 +5,8 @@
     attention rank a                          ffn rank k = a // r
     ----------------                          -------------------
     start(fp) ---- HELLO / ACCEPT|REJECT ---- start(fp)          (rendezvous)
+      setup(0, None) -- SETUP -------------->  setup(i, offer)    (data plane)
+      <------------ SETUP (answer) | REJECT --
     send_plan(plan) ------ PLAN ------------> recv_plans() -> [plan per peer]
        ... data plane exchanges for the step ...
     close() ------------- SHUTDOWN ---------> recv_plans() -> None
@@ -34,6 +36,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_afd.connector.protocol import Fingerprint, StepPlan
 
@@ -50,6 +53,13 @@ class Rendezvous:
 
     session: str
     local_host: str
+    #: the data-plane setup record of each peer, in peer order
+    #: (``DataPlane.setup``); empty where the plane exchanged none
+    peer_blobs: tuple[dict[str, Any], ...] = ()
+
+
+#: ``DataPlane.setup``: (peer index, the peer's record or None) -> own record
+SetupFn = Callable[[int, "dict[str, Any] | None"], "dict[str, Any]"]
 
 
 class ControlPlane(ABC):
@@ -60,8 +70,11 @@ class ControlPlane(ABC):
     reform: str | None = None
 
     @abstractmethod
-    def start(self, fingerprint: Fingerprint) -> Rendezvous:
-        """Rendezvous with every endpoint and run the handshake.
+    def start(
+        self, fingerprint: Fingerprint, setup: SetupFn | None = None
+    ) -> Rendezvous:
+        """Rendezvous with every endpoint and run the handshake; then swap
+        the data plane's records over each peer channel with ``setup``.
 
         Called by: the facade's ``start``, once, before any other method.
         Raises: AFDProtocolError, AFDTimeoutError, AFDConnectorError.

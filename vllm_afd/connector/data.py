@@ -31,15 +31,49 @@ Implementor's contract:
   buffer is valid once its ``Work.wait`` returns.
 * After any error the plane may be unusable; the facade stops using it.
 * ``close`` is idempotent and frees the transport (process group).
+* ``setup(peer, theirs)`` runs during the handshake, once per peer, in the
+  worker thread: an attention endpoint is asked with ``theirs=None`` for its
+  offer, the FFN endpoint answers each offer; ``start`` then finds the peers'
+  records in ``Rendezvous.peer_blobs``. Records are JSON objects. The FFN
+  side refuses a peer whose ``backend`` differs (the handshake then fails on
+  both sides with that message).
+* ``check()`` is cheap and non-blocking; the facade calls it once per step,
+  once the device finished the step's exchanges (planes whose waits run on
+  the device report their failures there). ``abort()`` may come from any
+  thread: device-side waits end at once (with an error ``check`` reports).
+* ``capabilities`` says what the plane guarantees (:class:`Capabilities`);
+  config validation checks it against the CUDA-graph mode.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_afd.connector.control import Rendezvous
+from vllm_afd.errors import AFDProtocolError
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a data plane guarantees.
+
+    Attributes:
+        graph_capturable: its moves may be captured in a CUDA graph.
+        matches_tags: a receive never returns the bytes of another exchange
+            (Gloo matches tags; cuda_ipc checks a sequence number on the
+            device and reports a mismatch); NCCL pairs by order only.
+        bounded_wait: a wait for a peer that is gone ends within the timeout,
+            also inside a CUDA graph replay (NCCL's device-side waits do not).
+    """
+
+    graph_capturable: bool
+    matches_tags: bool
+    bounded_wait: bool
 
 
 class Work(ABC):
@@ -58,9 +92,30 @@ class DataPlane(ABC):
     #: cannot deadlock (no stream ordering). The facade then posts the F2A
     #: receive of a (layer, ubatch) before sending its A2F.
     prepost_recv: bool = False
+    #: the name ``connector_extra_config.backend`` gives it
+    backend: str = ""
+    capabilities = Capabilities(
+        graph_capturable=False, matches_tags=True, bounded_wait=True
+    )
 
     def prepare(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Bind what peers will connect to; called before the handshake."""
+
+    def setup(self, peer: int, theirs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """This endpoint's record for peer index ``peer`` (see the contract).
+
+        Raises: AFDProtocolError (the peer's record does not fit this plane),
+        AFDConfigError (the pair cannot use this plane here).
+        """
+        if theirs is not None:
+            check_backend(self.backend, theirs)
+        return {"backend": self.backend}
+
+    def check(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Raise what the device reported since the last call (see contract)."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """End every device-side wait now; any thread."""
 
     @abstractmethod
     def start(self, rendezvous: Rendezvous) -> None:
@@ -77,3 +132,14 @@ class DataPlane(ABC):
     @abstractmethod
     def close(self) -> None:
         """Free the transport. Idempotent, never raises."""
+
+
+def check_backend(mine: str, theirs: Mapping[str, Any]) -> None:
+    """AFDProtocolError unless the peer's setup record names backend ``mine``."""
+    other = theirs.get("backend") if isinstance(theirs, Mapping) else None
+    if other != mine:
+        raise AFDProtocolError(
+            f"the attention rank's data plane is {other!r}, the FFN rank's is "
+            f"{mine!r}: set the same afd.connector_extra_config.backend on both "
+            "roles"
+        )

@@ -4,7 +4,7 @@
 :func:`validate_extra_config`; workers call :func:`create_connector`.
 
     name       aliases                 what
-    p2p        P2pNcclAFDConnector     TCP control + Gloo/NCCL data plane
+    p2p        P2pNcclAFDConnector     TCP control + Gloo/NCCL/CUDA-IPC data plane
     loopback   -                       threads of one process (tests)
 
 Imports neither vLLM nor torch at module level (config parsing stays light).
@@ -44,6 +44,21 @@ class Option:
     doc: str
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class ExchangeLimits:
+    """What the worker knows about the exchanges ahead (sizes buffers that
+    must exist before the first step, e.g. cuda_ipc's shared ones).
+
+    Attributes:
+        max_tokens: the most tokens one ubatch of an attention rank carries
+            (vLLM's ``max_num_batched_tokens``).
+        ubatches: micro-batches per step (``afd.num_ubatches``).
+    """
+
+    max_tokens: int = 8192
+    ubatches: int = 1
 
 
 _TIMEOUTS = {
@@ -105,8 +120,17 @@ _SPECS: tuple[ConnectorSpec, ...] = (
             "backend": Option(
                 str,
                 "auto",
-                "data plane: auto (nccl for cuda devices, else gloo), gloo, nccl",
-                ("auto", "gloo", "nccl"),
+                "data plane: auto (cuda devices: cuda_ipc when afd.host is a "
+                "loopback address, else nccl; cpu: gloo), gloo, nccl, cuda_ipc "
+                "(CUDA IPC buffers and device flags, both roles on one host)",
+                ("auto", "gloo", "nccl", "cuda_ipc"),
+            ),
+            "allow_time_slicing": Option(
+                bool,
+                False,
+                "cuda_ipc with both roles on one GPU and no MPS daemon: run "
+                "anyway (each exchange waits for a time slice, milliseconds) "
+                "instead of refusing",
             ),
             "heartbeat_interval_s": Option(
                 float,
@@ -268,6 +292,7 @@ def create_connector(
     role_rank: int,
     fingerprint: Fingerprint,
     device: torch.device | str = "cpu",
+    limits: ExchangeLimits | None = None,
 ) -> AFDConnector:
     """Build (not start) the connector endpoint of this process.
 
@@ -276,6 +301,7 @@ def create_connector(
         role_rank: this endpoint's rank within its role.
         fingerprint: model + topology + options both roles must agree on.
         device: where exchanged tensors live (``cpu`` or a ``cuda`` device).
+        limits: sizes of the exchanges ahead (default :class:`ExchangeLimits`).
 
     Raises:
         AFDConfigError: bad rank, options or fingerprint.
@@ -301,4 +327,5 @@ def create_connector(
         )
     _check_fingerprint(config, fingerprint, s.name)
     dev = torch.device(device)
-    return s.build(config, role_rank, fingerprint, dev, topology, extra)
+    limits = limits or ExchangeLimits(ubatches=getattr(config, "num_ubatches", 1))
+    return s.build(config, role_rank, fingerprint, dev, topology, extra, limits)

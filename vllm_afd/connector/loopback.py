@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_afd.connector.control import ControlPlane, Rendezvous
+from vllm_afd.connector.control import ControlPlane, Rendezvous, SetupFn
 from vllm_afd.connector.data import DataPlane, Work
 from vllm_afd.connector.protocol import Fingerprint, StepPlan
 from vllm_afd.errors import (
@@ -130,7 +130,11 @@ class LoopbackControlPlane(ControlPlane):
         self._closed = False
         self._owner = threading.current_thread()
 
-    def start(self, fingerprint: Fingerprint) -> Rendezvous:
+    def start(
+        self, fingerprint: Fingerprint, setup: SetupFn | None = None
+    ) -> Rendezvous:
+        # One process: both ends share the loopback data plane, which has no
+        # setup record to swap.
         hub = self.hub = _hub(self._key, self._topo, self._me)
         deadline = time.monotonic() + self._connect_timeout_s
         with hub.cond:
@@ -290,8 +294,10 @@ def build(
     device: torch.device,
     topology: Topology,
     extra: dict[str, Any],
+    limits: object = None,
 ) -> AFDConnector:
-    """Factory hook for ``loopback``: endpoints meet at ``host:port``."""
+    """Factory hook for ``loopback``: endpoints meet at ``host:port``
+    (``limits`` unused: nothing is sized ahead)."""
     from vllm_afd.connector.connector import AFDConnector
 
     control = LoopbackControlPlane(

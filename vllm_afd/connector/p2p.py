@@ -3,10 +3,12 @@
 Control plane: plain TCP (``p2p_control``, ``p2p_rendezvous``); ffn rank 0
 listens on ``afd.host:afd.port``. Data plane: a private Gloo (CPU tensors) or
 NCCL (CUDA tensors) process group (``p2p_data``) on a ``TCPStore`` at
-``afd.port + 1``.
+``afd.port + 1``, or, for CUDA endpoints of one host, buffers shared by CUDA
+IPC with flags on the device (``ipc_data``).
 
 Options (``connector_extra_config``): ``timeout_s`` (60), ``warmup_timeout_s``
-(600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl``),
+(600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl`` |
+``cuda_ipc``, see ``ipc_data``), ``allow_time_slicing`` (false),
 ``heartbeat_interval_s`` (1), ``secret_file`` (none; or the ``AFD_SECRET``
 variable, see ``connector.auth``).
 """
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_afd.connector import auth
 from vllm_afd.connector.connector import AFDConnector
+from vllm_afd.connector.data import DataPlane
+from vllm_afd.connector.factory import ExchangeLimits
 from vllm_afd.connector.p2p_control import P2PControlPlane
 from vllm_afd.connector.p2p_data import P2PDataPlane
 from vllm_afd.errors import AFDConfigError
@@ -29,11 +33,15 @@ if TYPE_CHECKING:
     from vllm_afd.topology import Topology
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` -> ``nccl`` for CUDA devices, ``gloo`` otherwise."""
+def resolve_backend(backend: str, device: torch.device, host: str = "") -> str:
+    """``auto`` -> for CUDA devices ``cuda_ipc`` when ``afd.host`` is a
+    loopback address (every endpoint then runs on ffn rank 0's host), else
+    ``nccl``; ``gloo`` for CPU devices."""
     if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    want = "cuda" if backend == "nccl" else "cpu"
+        if device.type != "cuda":
+            return "gloo"
+        return "cuda_ipc" if auth.is_loopback(host) else "nccl"
+    want = "cpu" if backend == "gloo" else "cuda"
     if device.type != want:
         raise AFDConfigError(
             f"afd.connector_extra_config.backend={backend!r} moves {want} tensors, "
@@ -49,9 +57,10 @@ def build(
     device: torch.device,
     topology: Topology,
     extra: dict[str, Any],
+    limits: ExchangeLimits,
 ) -> AFDConnector:
     """Factory hook for ``p2p``."""
-    backend = resolve_backend(extra["backend"], device)
+    backend = resolve_backend(extra["backend"], device, config.host)
     timeout_s, connect_timeout_s = extra["timeout_s"], extra["connect_timeout_s"]
     control = P2PControlPlane(
         host=config.host,
@@ -65,16 +74,62 @@ def build(
         secret=auth.load_secret(extra["secret_file"]),
         heartbeat_interval_s=extra["heartbeat_interval_s"],
     )
-    data = P2PDataPlane(
-        host=config.host,
-        store_port=config.port + 1,
-        global_rank=topology.global_rank(config.role, role_rank),
-        world_size=topology.world_size,
-        backend=backend,
-        timeout_s=max(timeout_s, extra["warmup_timeout_s"]),
-        connect_timeout_s=connect_timeout_s,
-    )
+    if backend == "cuda_ipc":
+        data = _ipc_plane(
+            config, role_rank, fingerprint, device, topology, extra, limits
+        )
+    else:
+        data = P2PDataPlane(
+            host=config.host,
+            store_port=config.port + 1,
+            global_rank=topology.global_rank(config.role, role_rank),
+            world_size=topology.world_size,
+            backend=backend,
+            timeout_s=max(timeout_s, extra["warmup_timeout_s"]),
+            connect_timeout_s=connect_timeout_s,
+        )
     return AFDConnector.assemble(
         "p2p", config, role_rank, topology, fingerprint, device, extra,
         control, data,
     )  # fmt: skip
+
+
+def _ipc_plane(
+    config: AFDConfig,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    device: torch.device,
+    topology: Topology,
+    extra: dict[str, Any],
+    limits: ExchangeLimits,
+) -> DataPlane:
+    import torch
+
+    from vllm_afd.connector.core import torch_dtype
+    from vllm_afd.connector.ipc_data import CudaIpcDataPlane
+    from vllm_afd.connector.ipc_layout import Shapes
+    from vllm_afd.roles import AFDRole
+
+    other = AFDRole.FFN if config.role is AFDRole.ATTENTION else AFDRole.ATTENTION
+    peers = tuple(
+        topology.global_rank(other, p) for p in topology.peers(config.role, role_rank)
+    )
+    shapes = Shapes(
+        max_tokens=limits.max_tokens,
+        ubatches=limits.ubatches,
+        hidden=fingerprint.hidden_size,
+        itemsize=torch_dtype(fingerprint.dtype).itemsize,
+        top_k=fingerprint.top_k,
+        gate=fingerprint.compute_gate_on_attention,
+        moe_output_parts=fingerprint.moe_output_parts,
+    )
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return CudaIpcDataPlane(
+        role=config.role,
+        peers=peers,
+        device=device,
+        shapes=shapes,
+        timeout_s=extra["timeout_s"],
+        allow_time_slicing=extra["allow_time_slicing"],
+    )

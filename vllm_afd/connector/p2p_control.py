@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from vllm_afd.connector import auth, p2p_rendezvous, protocol
-from vllm_afd.connector.control import ControlPlane, Rendezvous
+from vllm_afd.connector.control import ControlPlane, Rendezvous, SetupFn
 from vllm_afd.connector.p2p_wire import Channel
 from vllm_afd.connector.protocol import ExecMode, Fingerprint, MsgType, StepPlan
 from vllm_afd.errors import AFDPeerError, AFDProtocolError, AFDTimeoutError
@@ -80,7 +80,9 @@ class P2PControlPlane(ControlPlane):
         self._io_lock = threading.Lock()
         self._closed = False
 
-    def start(self, fingerprint: Fingerprint) -> Rendezvous:
+    def start(
+        self, fingerprint: Fingerprint, setup: SetupFn | None = None
+    ) -> Rendezvous:
         if self._secret is None and not auth.is_loopback(self._host):
             logger.warning(
                 "AFD rendezvous on %s:%d is not on loopback and has no shared "
@@ -99,12 +101,24 @@ class P2PControlPlane(ControlPlane):
             )  # fmt: skip
         self._channels = joined.channels
         self._members = joined.members
+        blobs: tuple[dict, ...] = ()
+        if setup is not None:
+            deadline = time.monotonic() + self._connect_timeout_s
+            try:
+                blobs = p2p_rendezvous.swap_setup(
+                    self._channels, self._role, setup, deadline,
+                    self._connect_timeout_s,
+                )  # fmt: skip
+            except BaseException:
+                for ch in self._channels + self._members:
+                    ch.close()
+                raise
         self._heard = [time.monotonic()] * len(self._channels)
         if self._role is AFDRole.FFN and self._channels:
             threading.Thread(
                 target=self._beat, name="afd-heartbeat", daemon=True
             ).start()
-        return Rendezvous(joined.session, joined.local_host)
+        return Rendezvous(joined.session, joined.local_host, blobs)
 
     def _beat(self) -> None:
         """FFN side: a HEARTBEAT on every connection each interval."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_afd.connector.control import Rendezvous
-from vllm_afd.connector.data import DataPlane, Work
+from vllm_afd.connector.data import Capabilities, DataPlane, Work
 from vllm_afd.connector.p2p_wire import listen
 from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
 
@@ -40,6 +40,9 @@ def _translate(e: RuntimeError) -> AFDTimeoutError | AFDPeerError:
 
 
 _TD_CACHE: dict[float, datetime.timedelta] = {}
+_GLOO = Capabilities(graph_capturable=False, matches_tags=True, bounded_wait=True)
+#: NCCL pairs by order and its device-side waits have no host timeout
+_NCCL = Capabilities(graph_capturable=True, matches_tags=False, bounded_wait=False)
 
 
 class _GlooWork(Work):
@@ -92,6 +95,8 @@ class P2PDataPlane(DataPlane):
         self._work_cls = _NcclWork if backend == "nccl" else _GlooWork
         # NCCL: a receive posted early would block the stream ahead of the send.
         self.prepost_recv = backend != "nccl"
+        self.backend = backend
+        self.capabilities = _NCCL if backend == "nccl" else _GLOO
 
     def prepare(self) -> None:
         if self._rank != 0:

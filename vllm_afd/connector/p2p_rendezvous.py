@@ -13,6 +13,9 @@
       ffn k --WELCOME--> attention a --JOIN(rank, session, auth)--> ffn k
       ffn k --ACCEPT--> attention a
 
+    data-plane setup (every control channel: attention a <-> its ffn rank)
+      attention a --SETUP(offer)--> ffn k --SETUP(answer) | REJECT--> a
+
 Attention ranks served by ffn 0 keep their leg-1 connection as control
 channel; every other endpoint keeps its leg-1 connection as the session's
 membership: ffn 0 watches them all, and whoever leaves (SHUTDOWN or EOF)
@@ -39,6 +42,7 @@ import uuid
 from dataclasses import dataclass
 
 from vllm_afd.connector import auth, protocol
+from vllm_afd.connector.control import SetupFn
 from vllm_afd.connector.p2p_wire import (
     RENDEZVOUS_HINT,
     Channel,
@@ -49,6 +53,7 @@ from vllm_afd.connector.p2p_wire import (
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint, MsgType
 from vllm_afd.errors import (
     AFDConnectorError,
+    AFDError,
     AFDPeerError,
     AFDProtocolError,
     AFDTimeoutError,
@@ -463,3 +468,41 @@ def _accept_joins(
         ch.send(protocol.accept(session, []))
         got[a] = ch
     return [got[a] for a in peers]
+
+
+def swap_setup(
+    chans: list[Channel],
+    role: AFDRole,
+    setup: SetupFn,
+    deadline: float,
+    timeout_s: float,
+) -> tuple[dict, ...]:
+    """After ACCEPT/JOIN: the data plane's SETUP records over every channel
+    (the attention side offers, the FFN side answers each offer or REJECTs
+    every peer with why); the peers' records in channel order."""
+    what = "the data-plane setup (SETUP)"
+    if role is AFDRole.ATTENTION:
+        (ch,) = chans
+        ch.send(protocol.setup(setup(0, None)))
+        msg = ch.recv(deadline, what, timeout_s)
+        if msg["type"] == MsgType.REJECT.value:
+            raise AFDProtocolError(str(msg.get("reason")))
+        if msg["type"] != MsgType.SETUP.value:
+            raise AFDProtocolError(f"expected SETUP from {ch.peer}, got {msg['type']}")
+        return (msg.get("blob") or {},)
+    offers = []
+    for i, ch in enumerate(chans):
+        msg = ch.recv(deadline, what, timeout_s)
+        try:
+            if msg["type"] != MsgType.SETUP.value:
+                raise AFDProtocolError(
+                    f"expected SETUP from {ch.peer}, got {msg['type']}"
+                )
+            offer = msg.get("blob") or {}
+            answer = setup(i, offer)
+        except AFDError as e:
+            _reject_all(chans, str(e), [])
+            raise
+        ch.send(protocol.setup(answer))
+        offers.append(offer)
+    return tuple(offers)

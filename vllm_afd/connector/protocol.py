@@ -17,13 +17,19 @@ Control messages are JSON objects framed by a 4-byte big-endian length::
     ACCEPT    ffn 0 -> endpoint   session id, control address of every FFN rank
     REJECT    ffn 0 -> endpoint   reason, differing fingerprint fields
     JOIN      attention -> ffn k  role_rank, session, auth (second leg, k > 0)
+    SETUP     attention -> ffn,   the data plane's record (backend; for
+              then ffn -> att.    cuda_ipc: sizes and buffer handles), on every
+                                  control channel right after ACCEPT; the FFN
+                                  side answers with its own or a REJECT
     PLAN      attention -> ffn    step_id, mode, ubatch_tokens
+    HEARTBEAT ffn -> attention    nothing (every heartbeat_interval_s)
     SHUTDOWN  either way          reason
 
 Every tensor exchange is identified by an :class:`ExchangeKey` (step, layer,
-ubatch, kind) packed into the transport's 31-bit message tag, so a receiver
-posted for one exchange never consumes the bytes of another: a desynchronised
-peer shows up as an error naming what was awaited, not as silent garbage.
+ubatch, kind) packed into the transport's 31-bit message tag. Gloo matches on it, so a
+receiver posted for one exchange never consumes the bytes of another; the
+cuda_ipc plane keeps one buffer per (kind, ubatch) and checks a sequence
+number per exchange on the device; NCCL pairs by order only.
 
 This module imports nothing from vLLM and nothing from torch.
 """
@@ -40,7 +46,7 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 #: the first field of every WELCOME: tells a vllm-afd listener from any other
 MAGIC = "vllm-afd"
@@ -62,6 +68,7 @@ class MsgType(str, enum.Enum):
     PLAN = "PLAN"
     SHUTDOWN = "SHUTDOWN"
     HEARTBEAT = "HEARTBEAT"
+    SETUP = "SETUP"
 
 
 class ExecMode(enum.IntEnum):
@@ -384,3 +391,10 @@ def shutdown(reason: str) -> dict[str, Any]:
 
 def heartbeat() -> dict[str, Any]:
     return {"type": MsgType.HEARTBEAT.value}
+
+
+def setup(blob: dict[str, Any]) -> dict[str, Any]:
+    """The data plane's record for one peer (``DataPlane.setup``), sent on
+    each control channel right after the handshake: attention first, its FFN
+    rank answers."""
+    return {"type": MsgType.SETUP.value, "blob": blob}

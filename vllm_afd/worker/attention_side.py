@@ -73,6 +73,25 @@ def stop_engine_on_lost_peer(message: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def checked_output(output: Any, connector: Any) -> Any:
+    """``output`` of a CUDA step, which reaches the scheduler only after the
+    connector's device-side checks of that step passed (cuda_ipc: a timed-out,
+    aborted or desynchronised exchange raises instead of sampling garbage)."""
+    get_output = getattr(output, "get_output", None)
+    if get_output is None:  # already on the host: the step finished
+        if output is not None:
+            connector.check()
+        return output
+
+    def get_checked() -> Any:
+        result = get_output()  # waits for the step's copies to the host
+        connector.check()
+        return result
+
+    output.get_output = get_checked
+    return output
+
+
 _GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"
 GRAPH_CAPTURE = Patch(
     target=f"{_GRAPHS}.capture",
@@ -183,6 +202,9 @@ class AttentionSideMixin(AFDRunnerMixin):
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        endpoint = self.afd_endpoint
+        if self.afd_link is None and endpoint is not None and endpoint.connector:
+            output = checked_output(output, endpoint.connector)
         exchange = self.afd_exchange
         if exchange is not None and exchange.failure is not None:
             failure, exchange.failure = exchange.failure, None
@@ -216,8 +238,9 @@ def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink:
 
     def reconnect() -> Any:
         connector = factory.create_connector(
-            afd, rank, endpoint.fingerprint, endpoint.connector.device
-        )
+            afd, rank, endpoint.fingerprint, endpoint.connector.device,
+            endpoint.limits,
+        )  # fmt: skip
         connector.start()
         return connector
 

@@ -40,6 +40,8 @@ class Endpoint:
     tp_rank: int
     fingerprint: Fingerprint
     connector: Any | None
+    #: what sized the connector's buffers (a rejoin builds the same)
+    limits: factory.ExchangeLimits = factory.ExchangeLimits()
 
     def close(self, reason: str | None = None) -> None:
         if self.connector is not None:
@@ -85,9 +87,15 @@ def open_endpoint(
         ffn_rank=afd.rank,
     )
     fingerprint = fingerprint_of(vllm_config, afd, split)
+    limits = factory.ExchangeLimits(
+        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        ubatches=afd.num_ubatches,
+    )
     connector = None
     if role_rank is not None:
-        connector = factory.create_connector(afd, role_rank, fingerprint, device)
+        connector = factory.create_connector(
+            afd, role_rank, fingerprint, device, limits
+        )
         connector.start()
     rank = role_rank
     if rank is None:
@@ -110,4 +118,4 @@ def open_endpoint(
         PROTOCOL_VERSION,
         fingerprint.digest,
     )
-    return Endpoint(afd, split, topology, rank, tp_rank, fingerprint, connector)
+    return Endpoint(afd, split, topology, rank, tp_rank, fingerprint, connector, limits)

@@ -1,0 +1,160 @@
+"""Endpoint programs of the cuda_ipc GPU tests (processes; see test_cuda_ipc)."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+import _scenarios as S
+import torch
+
+from vllm_afd.connector import ExecMode, StepPlan
+from vllm_afd.errors import AFDError
+
+LAYERS = 4
+STEPS = 5
+
+
+def graph_attention(sc: S.Scenario) -> dict[str, Any]:
+    """Capture LAYERS round trips in one CUDA graph, replay with new inputs."""
+    conn = S._connector(sc, "attention", 0)
+    conn.start()
+    n = 8
+    x = torch.zeros(n, sc.hidden, device="cuda", dtype=getattr(torch, sc.dtype))
+    outs = [torch.empty_like(x) for _ in range(LAYERS)]
+    conn.send_plan(StepPlan(0, ExecMode.WARMUP, (n,)))
+    for layer in range(LAYERS):  # eager warm-up: compiles the kernels
+        conn.send_a2f(layer, 0, x)
+        conn.recv_f2a(layer, 0, out=outs[layer])
+    conn.flush()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    conn.send_plan(StepPlan(1, ExecMode.CAPTURE, (n,)))
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            src = x if layer == 0 else outs[layer - 1]
+            conn.send_a2f(layer, 0, src)
+            conn.recv_f2a(layer, 0, out=outs[layer])
+        conn.flush()
+    for step in range(2, 2 + STEPS):
+        conn.send_plan(StepPlan(step, ExecMode.REPLAY, (n,)))
+        x.copy_(torch.randn(n, sc.hidden).to(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        conn.check()
+        want = x
+        for layer in range(LAYERS):
+            want = S.ffn_fn(want, None, layer)
+            if not torch.equal(outs[layer], want):
+                raise AssertionError(f"replay {step} layer {layer} differs")
+    conn.close()
+    return {"ok": True, "replays": STEPS}
+
+
+def graph_ffn(sc: S.Scenario) -> dict[str, Any]:
+    conn = S._connector(sc, "ffn", 0)
+    conn.start()
+    plan = conn.recv_plan()
+    assert plan is not None and plan.mode is ExecMode.WARMUP
+    for layer in range(LAYERS):
+        batch = conn.recv_a2f(layer, 0)
+        conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
+    plan = conn.recv_plan()
+    assert plan is not None and plan.mode is ExecMode.CAPTURE
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            batch = conn.recv_a2f(layer, 0)
+            conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
+        conn.flush()
+    replays = 0
+    while (plan := conn.recv_plan()) is not None:
+        graph.replay()
+        replays += 1
+    torch.cuda.synchronize()
+    conn.close()
+    return {"ok": True, "replays": replays}
+
+
+def desync_attention(sc: S.Scenario) -> dict[str, Any]:
+    """Sends layer 1 where the FFN rank waits for layer 0: it fails and
+    poisons its answer, so this side fails in the same step."""
+    conn = S._connector(sc, "attention", 0)
+    conn.start()
+    x = torch.ones(4, sc.hidden, device="cuda", dtype=getattr(torch, sc.dtype))
+    conn.send_plan(StepPlan(0, ExecMode.EAGER, (4,)))
+    conn.send_a2f(1, 0, x)
+    conn.recv_f2a(1, 0)
+    torch.cuda.synchronize()
+    try:
+        conn.check()
+    except AFDError as e:
+        return {"ok": True, "error": type(e).__name__, "message": str(e)}
+    finally:
+        conn.close()
+    return {"ok": False, "message": "no error after a desynchronised exchange"}
+
+
+def desync_ffn(sc: S.Scenario) -> dict[str, Any]:
+    conn = S._connector(sc, "ffn", 0)
+    conn.start()
+    conn.recv_plan()
+    batch = conn.recv_a2f(0, 0)
+    conn.send_f2a(0, 0, batch.hidden)
+    torch.cuda.synchronize()
+    try:
+        conn.recv_plan()
+    except AFDError as e:
+        return {"ok": True, "error": type(e).__name__, "message": str(e)}
+    finally:
+        conn.close()
+    return {"ok": False, "message": "no error after a desynchronised exchange"}
+
+
+def timeout_attention(sc: S.Scenario) -> dict[str, Any]:
+    """The FFN rank never answers: the device-side wait ends after timeout_s."""
+    conn = S._connector(sc, "attention", 0)
+    conn.start()
+    x = torch.ones(4, sc.hidden, device="cuda", dtype=getattr(torch, sc.dtype))
+    conn.send_plan(StepPlan(0, ExecMode.EAGER, (4,)))
+    conn.send_a2f(0, 0, x)
+    t0 = time.monotonic()
+    conn.recv_f2a(0, 0)
+    torch.cuda.synchronize()
+    waited = time.monotonic() - t0
+    try:
+        conn.check()
+    except AFDError as e:
+        return {"ok": True, "error": type(e).__name__, "message": str(e),
+                "waited": waited}  # fmt: skip
+    finally:
+        conn.close()
+    return {"ok": False, "message": "no error after the wait timed out"}
+
+
+def silent_ffn(sc: S.Scenario) -> dict[str, Any]:
+    conn = S._connector(sc, "ffn", 0)
+    conn.start()
+    conn.recv_plan()
+    conn.recv_a2f(0, 0)  # and never answer
+    torch.cuda.synchronize()
+    time.sleep(sc.timeout_s + 2)
+    conn.close()
+    return {"ok": True}
+
+
+PROGRAMS = {
+    "graph": (graph_attention, graph_ffn),
+    "desync": (desync_attention, desync_ffn),
+    "timeout": (timeout_attention, silent_ffn),
+}
+
+
+def main(name: str, role: str, sc: S.Scenario, q: Any) -> None:
+    att, ffn = PROGRAMS[name]
+    try:
+        out = (att if role == "attention" else ffn)(sc)
+    except BaseException:
+        out = {"ok": False, "message": traceback.format_exc()}
+    q.put((role, out))
