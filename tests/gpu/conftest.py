@@ -1,4 +1,6 @@
-"""GPU tests: skipped unless 2 CUDA GPUs and vLLM built for CUDA are present.
+"""GPU tests: skipped unless vLLM built for CUDA and enough GPUs are present
+(2, or what a test's ``gpus(n)`` marker says; one-GPU tests also start the
+MPS daemon, ``mps`` fixture).
 
 Run them with ``tools/gpu/run_gpu_tests.sh OUTDIR`` on a GPU host.
 """
@@ -6,7 +8,12 @@ Run them with ``tools/gpu/run_gpu_tests.sh OUTDIR`` on a GPU host.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +26,15 @@ MIN_GPUS = 2
 
 
 @functools.cache
-def missing_requirement() -> str | None:
+def missing_requirement(min_gpus: int = MIN_GPUS) -> str | None:
     """Why the GPU tests cannot run here, or None when they can."""
     try:
         import torch
     except ImportError:
         return "torch is not installed"
     found = torch.cuda.device_count()
-    if found < MIN_GPUS:
-        return f"needs {MIN_GPUS} CUDA GPUs, found {found}"
+    if found < min_gpus:
+        return f"needs {min_gpus} CUDA GPUs, found {found}"
     try:
         from vllm.platforms import current_platform
     except ImportError:
@@ -38,17 +45,42 @@ def missing_requirement() -> str | None:
 
 
 @pytest.fixture(autouse=True)
-def _needs_cuda_vllm() -> None:
-    reason = missing_requirement()
+def _needs_cuda_vllm(request: pytest.FixtureRequest) -> None:
+    marker = request.node.get_closest_marker("gpus")
+    reason = missing_requirement(marker.args[0] if marker else MIN_GPUS)
     if reason is not None:
         pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
+def mps() -> Iterator[None]:
+    """An MPS control daemon for this GPU host: both roles on one GPU need it
+    (``connector/ipc_layout.check_pair``). Started here, as root, when none
+    runs, and stopped again after the session."""
+    from vllm_afd.connector.ipc_layout import mps_active
+
+    if mps_active():
+        yield
+        return
+    if shutil.which("nvidia-cuda-mps-control") is None or os.geteuid() != 0:
+        pytest.skip("needs the MPS daemon: nvidia-cuda-mps-control -d, as root")
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not mps_active():
+            if time.monotonic() > deadline:
+                pytest.fail("the MPS control daemon did not come up within 10 s")
+            time.sleep(0.1)
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", check=False)
+
+
+@pytest.fixture(scope="session")
 def gpu_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny bf16 DeepSeek-V2 and -V3 with the head dims vLLM's SM90 MLA needs."""
-    if missing_requirement() is not None:
-        pytest.skip(missing_requirement())
+    if missing_requirement(1) is not None:
+        pytest.skip(missing_requirement(1))
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-gpu")

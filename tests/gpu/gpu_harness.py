@@ -39,9 +39,25 @@ FULL_DECODE_ONLY = [
 ROLE_DEVICES = {"attention_devices": "0", "ffn_devices": "1"}
 
 
+#: both roles on GPU 0 (cuda_ipc data plane, MPS): each with a fixed KV cache,
+#: so that neither profiles the memory the other takes
+ONE_GPU = {"attention_devices": "0", "ffn_devices": "0"}
+ONE_GPU_ARGS = [
+    "--dtype",
+    "bfloat16",
+    "--enforce-eager",
+    "--kv-cache-memory-bytes",
+    "2000000000",
+]
+
+
 def gpu_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
-    """``harness.make_spec`` with the roles on GPUs 0 and 1 by default."""
-    return make_spec(model, extra, **{**ROLE_DEVICES, **kw})
+    """``harness.make_spec`` with the roles on GPUs 0 and 1 by default, over
+    NCCL there (``auto`` would pick cuda_ipc on the launcher's loopback)."""
+    kw = {**ROLE_DEVICES, **kw}
+    if kw["attention_devices"] != kw["ffn_devices"]:
+        kw.setdefault("connector_extra_config", {"backend": "nccl"})
+    return make_spec(model, extra, **kw)
 
 
 def add_env(afd: Deployment, **env: str) -> None:

@@ -183,16 +183,33 @@ def test_bad_device_lists_are_refused_before_anything_starts(
     attention: str, ffn: str, ranks: int, message: str
 ) -> None:
     spec = DeploymentSpec(
-        model="m", ffn_ranks=ranks, attention_devices=attention, ffn_devices=ffn
-    )
+        model="m", ffn_ranks=ranks, attention_devices=attention, ffn_devices=ffn,
+        connector_extra_config={"backend": "nccl"},
+    )  # fmt: skip
     with pytest.raises(LaunchError, match=re.escape(message)):
         role_processes(spec)
 
 
 def test_launch_reports_a_bad_device_list_and_exits_2(capsys) -> None:
-    code = cli.main(["launch", "M", "--attention-devices", "0", "--ffn-devices", "0"])
+    code = cli.main(
+        ["launch", "M", "--attention-devices", "0", "--ffn-devices", "0",
+         "--connector-extra-config", '{"backend": "nccl"}']
+    )  # fmt: skip
     assert code == 2
     assert "GPU 0 is in both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "host"), [({}, "127.0.0.1"), ({"backend": "cuda_ipc"}, "10.0.0.5")]
+)
+def test_roles_may_share_a_gpu_over_cuda_ipc(extra: dict, host: str) -> None:
+    spec = DeploymentSpec(
+        model="m", attention_devices="0", ffn_devices="0", host=host,
+        connector_extra_config=extra,
+    )  # fmt: skip
+    assert spec.data_plane() == "cuda_ipc"
+    attention, ffn = role_processes(spec)
+    assert attention.env["CUDA_VISIBLE_DEVICES"] == ffn.env["CUDA_VISIBLE_DEVICES"]
 
 
 @pytest.mark.parametrize(

@@ -302,8 +302,8 @@ class DeploymentSpec:
 
         Raises:
             LaunchError: an empty entry, an FFN list that does not split
-                evenly over the FFN ranks, or a GPU given to both roles (the
-                NCCL data plane needs one GPU per connector rank).
+                evenly over the FFN ranks, or a GPU given to both roles over
+                the NCCL data plane (it needs one GPU per connector rank).
         """
         attention = _device_list("--attention-devices", self.attention_devices)
         ffn = _device_list("--ffn-devices", self.ffn_devices)
@@ -313,10 +313,12 @@ class DeploymentSpec:
                 "ranks; give every FFN rank the same number"
             )
         shared = [d for d in attention or () if d in (ffn or ())]
-        if shared:
+        if shared and self.data_plane() == "nccl":
             raise LaunchError(
                 f"GPU {','.join(shared)} is in both --attention-devices and "
-                "--ffn-devices; the NCCL data plane needs each role on its own GPUs"
+                "--ffn-devices; the NCCL data plane needs each role on its own "
+                "GPUs (the cuda_ipc one shares a GPU under MPS: backend "
+                "'cuda_ipc', or 'auto' with a loopback --afd-host)"
             )
         per_rank = len(ffn) // self.ffn_ranks if ffn else 0
         ffns = [
@@ -353,6 +355,17 @@ class DeploymentSpec:
         attention, ffns = self.role_devices()
         given = [d for d in (attention, *ffns) if d is not None]
         return ",".join(given) if given else None
+
+    def data_plane(self) -> str:
+        """The p2p backend the CUDA roles will use: ``nccl`` or ``cuda_ipc``
+        (``auto`` picks cuda_ipc on a loopback rendezvous)."""
+        from vllm_afd.connector.auth import is_loopback
+
+        backend = (self.connector_extra_config or {}).get("backend", "auto")
+        if backend == "auto":
+            host = self.placement().afd_host if self.multi_host else self.host
+            return "cuda_ipc" if is_loopback(host) else "nccl"
+        return backend
 
     def afd_config(self, role: str) -> dict:
         split = role == "attention" and self.ubatches > 1
