@@ -74,7 +74,7 @@ def bench_run(tiny_models, tmp_path_factory):
         *("--afd-port", str(afd_port)),
         *("--num-requests", str(N), "--concurrency", "4"),
         *("--input-len", f"uniform:{IN_LO}:{IN_HI}", "--output-len", f"fixed:{OUT}"),
-        *("--seed", "1", "--json", str(out / "report.json")),
+        *("--seed", "1", "--repeats", "2", "--json", str(out / "report.json")),
         *("--plot-dir", str(out / "plots"), "--server-log", str(out / "servers.log")),
         "--",
         *("--enforce-eager", "--max-model-len", "512", "--dtype", "float32"),
@@ -120,6 +120,22 @@ def test_bench_report_has_every_figure_with_sane_values(bench_run):
     assert overhead["throughput_overhead"] is not None
 
     assert "AFD/baseline" in proc.stdout and "bench overhead" in proc.stdout
+
+    # What a user can trust: two runs per side with their spread, the
+    # percentiles of 8 requests marked as resting on few samples, and what
+    # it was measured on.
+    rep = report["repeats"]
+    assert rep["count"] == 2 and cfg["repeats"] == 2
+    tput = rep["output_throughput"]
+    assert len(tput["afd"]["values"]) == len(tput["baseline"]["values"]) == 2
+    assert tput["afd"]["min"] <= tput["afd"]["median"] <= tput["afd"]["max"]
+    assert tput["ratio"]["median"] > 0
+    assert report["afd"]["tpot_ms"]["few_samples"] is True
+    assert "repeats: 2 runs per side" in proc.stdout and "~" in proc.stdout
+    prov = report["provenance"]
+    assert prov["vllm"] == "0.32.0" and prov["vllm_afd"] and prov["torch"]
+    assert prov["argv"][:2] == ["vllm-afd", "bench"] and "--repeats" in prov["argv"]
+    assert prov["device"] and prov["time_utc"]
     png = out / "plots" / "bench.png"
     if png.exists():  # matplotlib is optional
         assert png.read_bytes()[:4] == b"\x89PNG"

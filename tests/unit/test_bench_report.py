@@ -343,3 +343,55 @@ def test_log_tail_reads_the_attention_roles_split_line():
         '[0, 1]}; parameter bytes by group {"gate": 0}\n'
     )
     assert tail.split == {"remote_layers": [0, 1]}
+
+
+# -- what a user can trust -----------------------------------------------------
+
+
+def test_distribution_says_when_it_rests_on_few_samples():
+    assert rep.distribution([1.0] * (rep.MIN_SAMPLES - 1))["few_samples"] is True
+    assert rep.distribution([1.0] * rep.MIN_SAMPLES)["few_samples"] is False
+
+
+def test_table_marks_percentiles_over_few_requests_and_says_what_it_means():
+    text = rep.format_table(_report())  # 3 requests per side
+    row = next(line for line in text.splitlines() if line.startswith("TPOT p50"))
+    assert row.count("~") == 2, row
+    assert f"~: a percentile over fewer than {rep.MIN_SAMPLES} requests" in text
+
+
+def test_overhead_sits_beside_the_throughput_it_lowers():
+    lines = rep.format_table(_report()).splitlines()
+    at = next(i for i, line in enumerate(lines) if "per device (tok/s)" in line)
+    assert "bench overhead (streaming)" in lines[at + 1]
+    assert "+20.0% of it" in lines[at + 1]
+
+
+def test_repeats_report_median_and_spread_of_each_side_and_ratio():
+    def run(name: str, duration: float) -> RunResult:
+        reqs = tuple(_result(i, (1, 2, 3, i), 0.2) for i in range(3))
+        return RunResult(name, reqs, duration_s=duration)
+
+    afd = [run("AFD", d) for d in (1.0, 2.0, 4.0)]
+    base = [run("baseline", d) for d in (1.0, 1.0, 2.0)]
+    r = rep.repeat_figures(afd, base)
+    tput = r["output_throughput"]
+    tokens = afd[0].output_tokens
+    assert r["count"] == 3
+    assert tput["afd"]["median"] == tokens / 2.0
+    assert (tput["afd"]["min"], tput["afd"]["max"]) == (tokens / 4.0, tokens / 1.0)
+    assert tput["ratio"]["values"] == [1.0, 0.5, 0.5]
+    assert rep.repeat_figures(afd[:1], base[:1]) is None
+    report = _report()
+    report["repeats"] = r
+    assert "repeats: 3 runs per side, median [min, max]" in rep.format_table(report)
+
+
+def test_provenance_records_versions_device_command_and_time():
+    p = rep.provenance(["vllm-afd", "bench", "--model", "m"])
+    assert p["vllm_afd"] and p["torch"] and p["vllm"]
+    assert p["argv"] == ["vllm-afd", "bench", "--model", "m"]
+    assert p["device"] and p["host"] and p["time_utc"].endswith("+00:00")
+    report = _report()
+    report["provenance"] = p
+    assert f"vllm-afd {p['vllm_afd']}" in rep.format_table(report)

@@ -90,6 +90,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--output-len", default="fixed:64", help="fixed:N, ...")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--warmup", type=int, default=2, help="unmeasured requests")
+    w.add_argument(
+        "--repeats", type=int, default=1,
+        help="run the workload N times on each side (AFD, baseline, in turn) and "
+        "report the median and spread of each figure (default 1)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--json", help="write the report as JSON here")
     o.add_argument("--plot-dir", help="write PNG plots here (needs matplotlib)")
@@ -324,6 +329,7 @@ def _config(
         "output_len": args.output_len,
         "seed": args.seed,
         "warmup": args.warmup,
+        "repeats": args.repeats,
         "vllm_args": vllm_args,
         "afd_url": args.afd_url,
         "ffn_urls": args.ffn_url,
@@ -346,16 +352,27 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: _LogTail) -> di
         before = settled_counters(url, ffn_urls)
         afd = _run(args, "AFD", url, served, requests, devices=1)
         delta = report_mod.counter_delta(before, settled_counters(url, ffn_urls))
+        # Counters cover the first run; the repeats add figures only.
+        more = [
+            _run(args, "AFD", url, served, requests, devices=1)
+            for _ in range(args.repeats - 1)
+        ]
     ranks = _role_ranks(args, delta)
-    afd = dataclasses.replace(afd, devices=sum(ranks))
+    afd_runs = [dataclasses.replace(r, devices=sum(ranks)) for r in (afd, *more)]
+    afd = afd_runs[0]
 
     baseline = plain = None
+    base_runs: list = []
     with baseline_target(args, spec, log) as base_url:
         if base_url:
             base_served, _ = model_info(base_url)
             _warm_up(base_url, base_served, requests, args.warmup)
             devices = args.baseline_devices
-            baseline = _run(args, "baseline", base_url, base_served, requests, devices)
+            base_runs = [
+                _run(args, "baseline", base_url, base_served, requests, devices)
+                for _ in range(args.repeats)
+            ]
+            baseline = base_runs[0]
             if not args.skip_overhead:
                 plain = _run(
                     args,
@@ -379,6 +396,8 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: _LogTail) -> di
         delta,
         report_mod.overhead_figures(baseline, plain),
         lengths,
+        report_mod.repeat_figures(afd_runs, base_runs),
+        report_mod.provenance(["vllm-afd", *getattr(args, "argv", [])]),
     )
 
 
@@ -388,6 +407,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _note("give --model DIR (start AFD and the baseline) or --afd-url URL")
         return 2
     for flag, value in (
+        ("--repeats", args.repeats),
         ("--num-requests", args.num_requests),
         ("--concurrency", args.concurrency),
         ("--request-rate", args.request_rate),

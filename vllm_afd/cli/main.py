@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(e.code, file=sys.stderr)
             _exit_now(e.code if isinstance(e.code, int) else int(e.code is not None))
         _exit_now(0)
+    full = list(argv)  # the command line as given (reports record it)
     # Everything after the first `--` goes to vllm serve, untouched.
     passthrough: list[str] = []
     if "--" in argv:
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = full
     if not hasattr(args, "vllm_args"):
         if passthrough:
             parser.error(f"{args.command} takes no vllm serve arguments after --")
