@@ -74,7 +74,8 @@ def _schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
 def _connector(args, role: str, hidden: int, port: int, device: torch.device):
     cfg = parse_afd_config(
         {"role": role, "host": "127.0.0.1", "port": port, "connector": "p2p",
-         "connector_extra_config": {"backend": args.backend}}
+         "connector_extra_config": {"backend": args.backend,
+                                    "ipc_copy": args.ipc_copy}}
     )  # fmt: skip
     fp = Fingerprint(
         arch="bench", hidden_size=hidden, dtype=args.dtype, num_layers=LAYERS,
@@ -352,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=("auto", "nccl", "cuda_ipc", "gloo"), default="auto",
         help="the connector's data plane (connector_extra_config.backend)",
     )  # fmt: skip
+    p.add_argument(
+        "--ipc-copy", choices=("ce", "sm"), default="ce",
+        help="cuda_ipc: copy engine copy + flag kernel, or one SM kernel",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument(
         "--timeout", type=float, default=3600.0,
@@ -385,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(60)
     raw = "device copy there and back" if args.raw == "copy" else "send/recv"
     print(f"A2F+F2A round trip, {args.device}, {args.dtype}, backend "
-          f"{args.backend}, raw = {raw}, median of {args.iters} iterations, raw "
-          "and connector interleaved")  # fmt: skip
+          f"{args.backend} (ipc_copy {args.ipc_copy}), raw = {raw}, median of "
+          f"{args.iters} iterations, raw and connector interleaved")  # fmt: skip
     print(_table(rows))
     ratios = [r["ratio"] for r in rows]
     print(f"ratio connector/raw: median {statistics.median(ratios):.3f}, "

@@ -192,25 +192,30 @@ def test_setup_swap_carries_records_and_rejects_a_backend_mismatch():
 
 
 # ------------------------------------------------------------------ GPU
-def _gpu_options() -> dict:
+def _gpu_options(copy: str = "ce") -> dict:
     """cuda_ipc, and time slicing allowed when no MPS daemon serves this GPU
     (every exchange is slow then, but correct)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    return {"backend": "cuda_ipc", "allow_time_slicing": not L.mps_active()}
+    return {
+        "backend": "cuda_ipc",
+        "allow_time_slicing": not L.mps_active(),
+        "ipc_copy": copy,
+    }
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy", ["ce", "sm"])
 @pytest.mark.parametrize("gate", [False, True], ids=["ffn-gate", "attention-gate"])
 @pytest.mark.parametrize(
     "topo", [(1, 1), (2, 1), (2, 2)], ids=lambda t: f"{t[0]}A{t[1]}F"
 )
-def test_cuda_ipc_round_trip_exact(topo, gate):
+def test_cuda_ipc_round_trip_exact(topo, gate, copy):
     """Every endpoint on the GPUs there are (one is enough), eager."""
     a, f = topo
     sc = S.Scenario(
         "p2p", S.free_port(), a, f, num_ubatches=2, dtype="bfloat16", hidden=256,
-        device="cuda", gate_on_attention=gate, options=_gpu_options(),
+        device="cuda", gate_on_attention=gate, options=_gpu_options(copy),
     )  # fmt: skip
     results = S.run(sc, limit_s=180)
     bad = {ep: r for ep, r in results.items() if not r.get("ok")}
@@ -242,10 +247,11 @@ def _run_pair(name: str, sc: S.Scenario, limit_s: float = 120) -> dict:
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_exchanges_replay_from_cuda_graphs():
+@pytest.mark.parametrize("copy", ["ce", "sm"])
+def test_cuda_ipc_exchanges_replay_from_cuda_graphs(copy):
     sc = S.Scenario(
         "p2p", S.free_port(), 1, 1, dtype="bfloat16", hidden=512, device="cuda",
-        options=_gpu_options(),
+        options=_gpu_options(copy),
     )  # fmt: skip
     out = _run_pair("graph", sc)
     assert out["attention"].get("ok"), out

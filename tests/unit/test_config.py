@@ -56,6 +56,7 @@ def test_parse_minimal_config_fills_defaults() -> None:
         "warmup_timeout_s": 600.0,
         "backend": "auto",
         "allow_time_slicing": False,
+        "ipc_copy": "ce",
         "heartbeat_interval_s": 1.0,
         "secret_file": "",
     }
@@ -322,7 +323,7 @@ def test_parse_unknown_connector_extra_key_names_valid_keys() -> None:
     )
     assert (
         "valid keys: allow_time_slicing, backend, connect_timeout_s, "
-        "heartbeat_interval_s, secret_file, timeout_s" in str(err)
+        "heartbeat_interval_s, ipc_copy, secret_file, timeout_s" in str(err)
     )
 
 

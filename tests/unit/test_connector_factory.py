@@ -47,6 +47,7 @@ def test_extra_config_defaults_and_int_for_float():
         "warmup_timeout_s": 600.0,
         "backend": "auto",
         "allow_time_slicing": False,
+        "ipc_copy": "ce",
         "heartbeat_interval_s": 1.0,
         "secret_file": "",
     }
@@ -63,7 +64,7 @@ def test_extra_config_defaults_and_int_for_float():
     [
         ({"timeout": 1}, r"connector_extra_config.timeout is not an option of "
          r"connector 'p2p'; valid keys: allow_time_slicing, backend, "
-         r"connect_timeout_s, heartbeat_interval_s, secret_file, timeout_s"),
+         r"connect_timeout_s, heartbeat_interval_s, ipc_copy, secret_file, timeout_s"),
         ({"timeout_s": 2, "heartbeat_interval_s": 2}, r"heartbeat_interval_s=2 must "
          r"be shorter than timeout_s=2"),
         ({"timeout_s": "5"}, r"timeout_s='5' has type str; it must be a number"),

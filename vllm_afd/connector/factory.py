@@ -132,6 +132,14 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 "anyway (each exchange waits for a time slice, milliseconds) "
                 "instead of refusing",
             ),
+            "ipc_copy": Option(
+                str,
+                "ce",
+                "cuda_ipc: how a send moves its payload into the peer's buffer: "
+                "ce (a device copy, then a flag kernel) or sm (one Triton kernel "
+                "copies and stores the flag)",
+                ("ce", "sm"),
+            ),
             "heartbeat_interval_s": Option(
                 float,
                 1.0,

@@ -2,11 +2,13 @@
 
 Each receiving endpoint allocates, at the handshake, one buffer per peer
 (``ipc_layout``) and hands the peer its CUDA IPC handle in the SETUP record;
-the peer opens it. A send copies the payload into the peer's buffer (a
-device-to-device copy on the current stream) and then stores a sequence
-number in the slot's flag (``ipc_kernels.signal_kernel``); a receive's wait
-spins on its own flag on the device (``wait_kernel``) and then copies the
-payload out into the caller's tensor. Everything is stream-ordered and
+the peer opens it. A send moves the payload into the peer's buffer and then
+stores a sequence number in the slot's flag: ``ipc_copy: ce`` is a
+device-to-device copy on the current stream followed by
+``ipc_kernels.signal_kernel``, ``sm`` one Triton kernel that does both
+(``copy_signal_kernel``). A receive's wait spins on its own flag on the
+device (``wait_kernel``) and then copies the payload out into the caller's
+tensor. Everything is stream-ordered and
 capturable in a CUDA graph; no host sync per layer.
 
 Failures surface on the device: a wait ends after ``timeout_s`` (device
@@ -44,6 +46,8 @@ _KIND_MASK = (1 << UBATCH_SHIFT) - 1
 _UBATCH_MASK = 0b111
 #: spins between two reads of the abort word (host memory)
 _ABORT_EVERY = 256
+#: elements (int32, or bytes) one program of the sm copy moves
+_SM_BLOCK = 2048
 
 
 def share(buf: torch.Tensor) -> dict[str, Any]:
@@ -137,6 +141,7 @@ class CudaIpcDataPlane(DataPlane):
         shapes: layout.Shapes,
         timeout_s: float,
         allow_time_slicing: bool = False,
+        copy: str = "ce",
     ) -> None:
         if device.type != "cuda":
             raise AFDConnectorError(
@@ -148,6 +153,7 @@ class CudaIpcDataPlane(DataPlane):
         self._shapes = shapes  # attention: its own; ffn: filled per peer at setup
         self._timeout_ns = int(timeout_s * 1e9)
         self._allow_slicing = allow_time_slicing
+        self._sm_copy = copy == "sm"
         self._place = layout.Place(
             layout.this_host(),
             str(torch.cuda.get_device_properties(device).uuid),
@@ -162,6 +168,8 @@ class CudaIpcDataPlane(DataPlane):
         # [peer, 0 = sent / 1 = seen, slot]
         self._seq = torch.zeros((n, 2, slots), dtype=torch.int64, device=device)
         self._failed = torch.zeros(1, dtype=torch.int64, device=device)
+        # sm copy: how many programs of a send finished ([peer, slot])
+        self._tickets = torch.zeros((n, slots), dtype=torch.int32, device=device)
         self._record = torch.zeros(4, dtype=torch.int64, pin_memory=True)
         self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._record_arg, self._abort_arg = _Pinned(self._record), _Pinned(self._abort)
@@ -267,13 +275,28 @@ class CudaIpcDataPlane(DataPlane):
                 f"{self._shapes.max_tokens}); the step has more tokens than vLLM's "
                 "max_num_batched_tokens"
             )
-        remote[region.offset : region.offset + n].copy_(src)
+        dst = remote[region.offset : region.offset + n]
         flag, _ = self._flag_views(i, region.slot)
+        if self._sm_copy:
+            self._copy_signal(src, dst, flag, i, region.slot, layer)
+            return _DONE
+        dst.copy_(src)
         self._k.signal_kernel[(1,)](
             flag, self._seq[i, 0, region.slot:region.slot + 1], self._failed,
             layer, POISON_BIT=self._k.POISON, SEQ_SHIFT=self._k.SEQ_SHIFT,
         )  # fmt: skip
         return _DONE
+
+    def _copy_signal(self, src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor,
+                     i: int, slot: int, layer: int) -> None:  # fmt: skip
+        if src.numel() % 4 == 0 and src.data_ptr() % 4 == 0:
+            src, dst = src.view(torch.int32), dst.view(torch.int32)
+        n = src.numel()
+        self._k.copy_signal_kernel[(max(1, -(-n // _SM_BLOCK)),)](
+            src, dst, n, flag, self._seq[i, 0, slot : slot + 1], self._failed,
+            self._tickets[i, slot : slot + 1], layer, BLOCK=_SM_BLOCK,
+            POISON_BIT=self._k.POISON, SEQ_SHIFT=self._k.SEQ_SHIFT,
+        )  # fmt: skip
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         i = self._index[peer]

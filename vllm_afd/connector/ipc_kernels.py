@@ -42,7 +42,31 @@ def _now():
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "layer"])
+def copy_signal_kernel(
+    src_ptr, dst_ptr, n, flag_ptr, sent_ptr, failed_ptr, ticket_ptr, layer,
+    BLOCK: tl.constexpr, POISON_BIT: tl.constexpr, SEQ_SHIFT: tl.constexpr,
+):  # fmt: skip
+    """The ``sm`` copy: every program copies its block into the peer's
+    buffer; the last one to finish (a ticket) stores the flag, as
+    :func:`signal_kernel` does, and resets the ticket."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+        seq = tl.load(sent_ptr) + 1
+        tl.store(sent_ptr, seq)
+        failed = tl.load(failed_ptr, volatile=True)
+        value = (seq << SEQ_SHIFT) | layer
+        value = tl.where(failed != 0, value | POISON_BIT, value)
+        tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["layer"])
 def signal_kernel(
     flag_ptr, sent_ptr, failed_ptr, layer, POISON_BIT: tl.constexpr,
     SEQ_SHIFT: tl.constexpr,
@@ -55,7 +79,7 @@ def signal_kernel(
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_ns", "slot", "layer"])
 def wait_kernel(
     flag_ptr,
     seen_ptr,

@@ -8,7 +8,8 @@ IPC with flags on the device (``ipc_data``).
 
 Options (``connector_extra_config``): ``timeout_s`` (60), ``warmup_timeout_s``
 (600), ``connect_timeout_s`` (600), ``backend`` (``auto`` | ``gloo`` | ``nccl`` |
-``cuda_ipc``, see ``ipc_data``), ``allow_time_slicing`` (false),
+``cuda_ipc``, see ``ipc_data``), ``allow_time_slicing`` (false), ``ipc_copy``
+(``ce`` | ``sm``),
 ``heartbeat_interval_s`` (1), ``secret_file`` (none; or the ``AFD_SECRET``
 variable, see ``connector.auth``).
 """
@@ -132,4 +133,5 @@ def _ipc_plane(
         shapes=shapes,
         timeout_s=extra["timeout_s"],
         allow_time_slicing=extra["allow_time_slicing"],
+        copy=extra["ipc_copy"],
     )
