@@ -5,8 +5,11 @@ Connector rank order puts FFN ranks first::
     connector rank:   0 .. F-1          F .. F+A-1
     role rank:        ffn 0 .. F-1      attention 0 .. A-1
 
-    r = A / F
-    ffn k  <-->  attention [k*r, (k+1)*r)
+    q, m = divmod(A, F)            blocks differ by at most one rank:
+    ffn k  <-->  attention [start(k), start(k+1)),  start(k) = k*q + min(k, m)
+
+(the first ``m`` FFN ranks serve ``q + 1`` attention ranks, the others ``q``;
+with A a multiple of F every block is ``A / F`` ranks: ``[k*r, (k+1)*r)``).
 
 An *endpoint* is one connector member. Attention ranks are the vLLM
 data-parallel ranks of the attention deployment (vLLM keeps them in
@@ -40,16 +43,26 @@ class Topology:
             raise AFDConfigError(
                 f"topology needs at least one rank per role, got {a}A{f}F"
             )
-        if a < f or a % f:
+        if a < f:
             raise AFDConfigError(
-                f"afd.num_attention_ranks={a} must be a multiple of "
-                f"afd.num_ffn_ranks={f} (and at least as large)"
+                f"afd.num_attention_ranks={a} must be >= afd.num_ffn_ranks={f}; "
+                "each FFN rank serves at least one attention rank"
             )
 
     @property
     def ratio(self) -> int:
-        """Attention ranks served by each FFN rank (``r = A / F``)."""
-        return self.num_attention_ranks // self.num_ffn_ranks
+        """The most attention ranks one FFN rank serves (``ceil(A / F)``;
+        ``A / F`` when F divides A)."""
+        return -(-self.num_attention_ranks // self.num_ffn_ranks)
+
+    @property
+    def even(self) -> bool:
+        """Every FFN rank serves as many attention ranks (F divides A)."""
+        return self.num_attention_ranks % self.num_ffn_ranks == 0
+
+    def _start(self, ffn_rank: int) -> int:
+        q, m = divmod(self.num_attention_ranks, self.num_ffn_ranks)
+        return ffn_rank * q + min(ffn_rank, m)
 
     @property
     def world_size(self) -> int:
@@ -84,13 +97,16 @@ class Topology:
     def attention_peers(self, ffn_rank: int) -> range:
         """Attention role ranks served by ``ffn_rank``, in merge order."""
         self._check_role_rank(AFDRole.FFN, ffn_rank)
-        r = self.ratio
-        return range(ffn_rank * r, (ffn_rank + 1) * r)
+        return range(self._start(ffn_rank), self._start(ffn_rank + 1))
 
     def ffn_peer(self, attention_rank: int) -> int:
         """The FFN role rank that serves ``attention_rank``."""
         self._check_role_rank(AFDRole.ATTENTION, attention_rank)
-        return attention_rank // self.ratio
+        q, m = divmod(self.num_attention_ranks, self.num_ffn_ranks)
+        big = m * (q + 1)  # the ranks of the first m (larger) blocks
+        if attention_rank < big:
+            return attention_rank // (q + 1)
+        return m + (attention_rank - big) // q
 
     def peers(self, role: AFDRole, role_rank: int) -> tuple[int, ...]:
         """Role ranks of the other role this endpoint exchanges with."""

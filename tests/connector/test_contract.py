@@ -31,7 +31,7 @@ from vllm_afd.errors import (  # noqa: E402
 )
 
 CONNECTORS = registered_names()
-TOPOLOGIES = [(1, 1), (2, 1), (2, 2), (4, 2)]
+TOPOLOGIES = [(1, 1), (2, 1), (2, 2), (4, 2), (3, 2)]
 
 
 def _ok(results: dict) -> None:

@@ -305,13 +305,13 @@ def test_parse_fewer_attention_than_ffn_ranks_raises(a: int, f: int) -> None:
 
 
 @pytest.mark.parametrize(("a", "f"), [(3, 2), (5, 3), (10, 4)])
-def test_parse_attention_ranks_not_multiple_of_ffn_ranks_raises(a: int, f: int) -> None:
-    _raises(
-        _cfg(num_attention_ranks=a, num_ffn_ranks=f),
-        re.escape(
-            f"afd.num_attention_ranks={a} must be a multiple of afd.num_ffn_ranks={f}"
-        ),
+def test_parse_accepts_attention_ranks_not_multiple_of_ffn_ranks(
+    a: int, f: int
+) -> None:
+    cfg = parse_afd_config(
+        {"role": "attention", "num_attention_ranks": a, "num_ffn_ranks": f}
     )
+    assert (cfg.num_attention_ranks, cfg.num_ffn_ranks) == (a, f)
 
 
 def test_parse_unknown_connector_extra_key_names_valid_keys() -> None:

@@ -10,8 +10,8 @@ from vllm_afd.errors import AFDConfigError
 from vllm_afd.roles import AFDRole
 from vllm_afd.topology import Topology, endpoint_rank
 
-VALID = [(a, f) for a in range(1, 33) for f in range(1, a + 1) if a % f == 0]
-INVALID = [(a, f) for a in range(1, 17) for f in range(1, 17) if a < f or a % f != 0]
+VALID = [(a, f) for a in range(1, 33) for f in range(1, a + 1)]
+INVALID = [(a, f) for a in range(1, 17) for f in range(1, 17) if a < f]
 
 
 # -- table tests ---------------------------------------------------------------
@@ -25,6 +25,8 @@ INVALID = [(a, f) for a in range(1, 17) for f in range(1, 17) if a < f or a % f 
         (4, 2, 2, 6, "4A2F"),
         (6, 3, 2, 9, "6A3F"),
         (64, 16, 4, 80, "64A16F"),
+        (3, 2, 2, 5, "3A2F"),
+        (5, 2, 3, 7, "5A2F"),
     ],
 )
 def test_topology_properties_match_table(
@@ -36,6 +38,16 @@ def test_topology_properties_match_table(
     assert topo.name == name
     assert topo.num_ranks(AFDRole.ATTENTION) == a
     assert topo.num_ranks(AFDRole.FFN) == f
+
+
+def test_topology_blocks_differ_by_at_most_one_when_f_does_not_divide_a() -> None:
+    three = Topology(3, 2)
+    assert [three.attention_peers(k) for k in range(2)] == [range(0, 2), range(2, 3)]
+    assert [three.ffn_peer(a) for a in range(3)] == [0, 0, 1]
+    five = Topology(5, 3)
+    assert [len(five.attention_peers(k)) for k in range(3)] == [2, 2, 1]
+    assert [five.ffn_peer(a) for a in range(5)] == [0, 0, 1, 1, 2]
+    assert not five.even and Topology(4, 2).even
 
 
 def test_topology_4a2f_layout_matches_table() -> None:
@@ -62,8 +74,8 @@ def test_topology_rejects_non_positive_rank_counts(a: int, f: int) -> None:
 
 
 @pytest.mark.parametrize(("a", "f"), INVALID)
-def test_topology_rejects_a_smaller_than_f_or_not_divisible(a: int, f: int) -> None:
-    with pytest.raises(AFDConfigError, match="must be a multiple of") as info:
+def test_topology_rejects_a_smaller_than_f(a: int, f: int) -> None:
+    with pytest.raises(AFDConfigError, match="each FFN rank serves at least") as info:
         Topology(a, f)
     assert isinstance(info.value, ValueError)
     assert f"num_attention_ranks={a}" in str(info.value)
@@ -133,12 +145,17 @@ def test_topology_invariants_hold_for_every_valid_ratio(a: int, f: int) -> None:
     for g in range(topo.world_size):
         assert topo.global_rank(*topo.role_of(g)) == g
 
-    # attention_peers: contiguous ranges of length r that tile 0..A-1 in order.
+    # attention_peers: contiguous ranges that tile 0..A-1 in order, of
+    # length r = A / F when F divides A, else r or r + 1 (larger ones first).
     covered: list[int] = []
+    sizes = [len(topo.attention_peers(k)) for k in range(f)]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+    assert topo.even == (a % f == 0) and topo.ratio == max(sizes)
     for k in range(f):
         peers = topo.attention_peers(k)
-        assert peers == range(k * r, (k + 1) * r)
-        assert len(peers) == r
+        if a % f == 0:
+            assert peers == range(k * r, (k + 1) * r)
+        assert len(peers) in (r, r + 1)
         covered.extend(peers)
     assert covered == list(range(a))
 
