@@ -114,18 +114,16 @@ def test_mps_is_seen_by_its_control_pipe(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("backend", "device", "host", "want"),
+    ("backend", "device", "want"),
     [
-        ("auto", "cpu", "127.0.0.1", "gloo"),
-        ("auto", "cuda", "127.0.0.1", "cuda_ipc"),
-        ("auto", "cuda", "localhost", "cuda_ipc"),
-        ("auto", "cuda", "10.0.0.5", "nccl"),
-        ("nccl", "cuda", "127.0.0.1", "nccl"),
-        ("cuda_ipc", "cuda", "10.0.0.5", "cuda_ipc"),
+        ("auto", "cpu", "gloo"),
+        ("auto", "cuda", "nccl"),
+        ("nccl", "cuda", "nccl"),
+        ("cuda_ipc", "cuda", "cuda_ipc"),
     ],
 )
-def test_auto_backend_picks_cuda_ipc_on_loopback(backend, device, host, want):
-    assert resolve_backend(backend, torch.device(device), host) == want
+def test_backend_resolution(backend, device, want):
+    assert resolve_backend(backend, torch.device(device)) == want
 
 
 def test_cuda_ipc_backend_refuses_cpu_tensors():

@@ -53,7 +53,7 @@ ONE_GPU_ARGS = [
 
 def gpu_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
     """``harness.make_spec`` with the roles on GPUs 0 and 1 by default, over
-    NCCL there (``auto`` would pick cuda_ipc on the launcher's loopback)."""
+    NCCL there (as ``auto`` does; pinned so that the tests stay NCCL's)."""
     kw = {**ROLE_DEVICES, **kw}
     if kw["attention_devices"] != kw["ffn_devices"]:
         kw.setdefault("connector_extra_config", {"backend": "nccl"})

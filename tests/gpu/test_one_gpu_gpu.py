@@ -1,9 +1,9 @@
 """AFD 1A1F with both roles on one GPU: the cuda_ipc data plane under MPS.
 
-Attention and FFN role processes on GPU 0 (the launcher's default loopback
-rendezvous makes ``backend: auto`` pick cuda_ipc), each with a fixed KV
-cache; tiny bf16 DeepSeek-V2 and -V3, eager and with FULL CUDA graphs for
-decode. 16 prompts, token-for-token against plain vLLM on the same GPU.
+Attention and FFN role processes on GPU 0 (with both device lists naming it,
+the launcher asks for cuda_ipc), each with a fixed KV cache; tiny bf16
+DeepSeek-V2 and -V3, eager and with FULL CUDA graphs for decode. 16 prompts,
+token-for-token against plain vLLM on the same GPU.
 """
 
 from __future__ import annotations

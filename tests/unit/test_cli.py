@@ -199,17 +199,23 @@ def test_launch_reports_a_bad_device_list_and_exits_2(capsys) -> None:
     assert "GPU 0 is in both" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("extra", "host"), [({}, "127.0.0.1"), ({"backend": "cuda_ipc"}, "10.0.0.5")]
-)
-def test_roles_may_share_a_gpu_over_cuda_ipc(extra: dict, host: str) -> None:
+@pytest.mark.parametrize("extra", [{}, {"backend": "auto"}, {"backend": "cuda_ipc"}])
+def test_roles_sharing_a_gpu_get_the_cuda_ipc_plane(extra: dict) -> None:
     spec = DeploymentSpec(
-        model="m", attention_devices="0", ffn_devices="0", host=host,
+        model="m", attention_devices="0", ffn_devices="0",
         connector_extra_config=extra,
     )  # fmt: skip
     assert spec.data_plane() == "cuda_ipc"
     attention, ffn = role_processes(spec)
     assert attention.env["CUDA_VISIBLE_DEVICES"] == ffn.env["CUDA_VISIBLE_DEVICES"]
+    for role in ("attention", "ffn"):
+        assert spec.afd_config(role)["connector_extra_config"]["backend"] == "cuda_ipc"
+
+
+def test_roles_on_their_own_gpus_keep_auto_which_is_nccl() -> None:
+    spec = DeploymentSpec(model="m", attention_devices="0", ffn_devices="1")
+    assert spec.data_plane() == "nccl"
+    assert "backend" not in spec.afd_config("ffn")["connector_extra_config"]
 
 
 @pytest.mark.parametrize(

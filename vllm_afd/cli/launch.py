@@ -312,13 +312,13 @@ class DeploymentSpec:
                 f"--ffn-devices lists {len(ffn)} devices for {self.ffn_ranks} FFN "
                 "ranks; give every FFN rank the same number"
             )
-        shared = [d for d in attention or () if d in (ffn or ())]
+        shared = self._shared_gpus()
         if shared and self.data_plane() == "nccl":
             raise LaunchError(
                 f"GPU {','.join(shared)} is in both --attention-devices and "
                 "--ffn-devices; the NCCL data plane needs each role on its own "
                 "GPUs (the cuda_ipc one shares a GPU under MPS: backend "
-                "'cuda_ipc', or 'auto' with a loopback --afd-host)"
+                "'cuda_ipc' or 'auto' on one host)"
             )
         per_rank = len(ffn) // self.ffn_ranks if ffn else 0
         ffns = [
@@ -356,16 +356,27 @@ class DeploymentSpec:
         given = [d for d in (attention, *ffns) if d is not None]
         return ",".join(given) if given else None
 
-    def data_plane(self) -> str:
-        """The p2p backend the CUDA roles will use: ``nccl`` or ``cuda_ipc``
-        (``auto`` picks cuda_ipc on a loopback rendezvous)."""
-        from vllm_afd.connector.auth import is_loopback
+    def _shared_gpus(self) -> list[str]:
+        attention = _device_list("--attention-devices", self.attention_devices)
+        ffn = _device_list("--ffn-devices", self.ffn_devices)
+        return [d for d in attention or () if d in (ffn or ())]
 
+    def data_plane(self) -> str:
+        """The p2p backend the CUDA roles will use: ``nccl`` or ``cuda_ipc``.
+        ``auto`` is NCCL, except when the device lists give both roles a GPU
+        on one host: then the launcher asks for cuda_ipc (NCCL cannot pair
+        two ranks on one GPU)."""
         backend = (self.connector_extra_config or {}).get("backend", "auto")
         if backend == "auto":
-            host = self.placement().afd_host if self.multi_host else self.host
-            return "cuda_ipc" if is_loopback(host) else "nccl"
+            one_host = not self.multi_host
+            return "cuda_ipc" if one_host and self._shared_gpus() else "nccl"
         return backend
+
+    def _connector_extra(self) -> dict:
+        extra = dict(self.connector_extra_config or {})
+        if extra.get("backend", "auto") == "auto" and self.data_plane() == "cuda_ipc":
+            extra["backend"] = "cuda_ipc"
+        return extra
 
     def afd_config(self, role: str) -> dict:
         split = role == "attention" and self.ubatches > 1
@@ -378,7 +389,7 @@ class DeploymentSpec:
             "num_attention_ranks": self.attention_ranks,
             "num_ffn_ranks": self.ffn_ranks,
             "compute_gate_on_attention": self.gate_on_attention,
-            "connector_extra_config": self.connector_extra_config,
+            "connector_extra_config": self._connector_extra(),
             **({"num_ubatches": self.ubatches} if split else {}),
             **({"attention_ranks_per_device": per_device} if per_device > 1 else {}),
         }

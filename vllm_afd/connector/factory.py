@@ -120,9 +120,9 @@ _SPECS: tuple[ConnectorSpec, ...] = (
             "backend": Option(
                 str,
                 "auto",
-                "data plane: auto (cuda devices: cuda_ipc when afd.host is a "
-                "loopback address, else nccl; cpu: gloo), gloo, nccl, cuda_ipc "
-                "(CUDA IPC buffers and device flags, both roles on one host)",
+                "data plane: auto (nccl for cuda devices, else gloo), gloo, "
+                "nccl, cuda_ipc (CUDA IPC buffers and device flags, both roles "
+                "on one host; vllm-afd launch picks it when they share a GPU)",
                 ("auto", "gloo", "nccl", "cuda_ipc"),
             ),
             "allow_time_slicing": Option(

@@ -34,14 +34,11 @@ if TYPE_CHECKING:
     from vllm_afd.topology import Topology
 
 
-def resolve_backend(backend: str, device: torch.device, host: str = "") -> str:
-    """``auto`` -> for CUDA devices ``cuda_ipc`` when ``afd.host`` is a
-    loopback address (every endpoint then runs on ffn rank 0's host), else
-    ``nccl``; ``gloo`` for CPU devices."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> ``nccl`` for CUDA devices, ``gloo`` otherwise (``vllm-afd
+    launch`` asks for ``cuda_ipc`` itself when both roles share a GPU)."""
     if backend == "auto":
-        if device.type != "cuda":
-            return "gloo"
-        return "cuda_ipc" if auth.is_loopback(host) else "nccl"
+        return "nccl" if device.type == "cuda" else "gloo"
     want = "cpu" if backend == "gloo" else "cuda"
     if device.type != want:
         raise AFDConfigError(
@@ -61,7 +58,7 @@ def build(
     limits: ExchangeLimits,
 ) -> AFDConnector:
     """Factory hook for ``p2p``."""
-    backend = resolve_backend(extra["backend"], device, config.host)
+    backend = resolve_backend(extra["backend"], device)
     timeout_s, connect_timeout_s = extra["timeout_s"], extra["connect_timeout_s"]
     control = P2PControlPlane(
         host=config.host,
