@@ -280,3 +280,21 @@ def test_cuda_ipc_wait_for_a_silent_peer_ends_after_timeout_s():
     att = out["attention"]
     assert att.get("ok") and att["error"] == "AFDTimeoutError", out
     assert 1.5 < att["waited"] < 10, att
+
+
+def _nccl_plane(gpu: str):
+    from vllm_afd.connector.p2p_data import P2PDataPlane
+
+    return P2PDataPlane(
+        host="127.0.0.1", store_port=1, global_rank=0, world_size=2,
+        backend="nccl", timeout_s=1, connect_timeout_s=1, gpu=gpu,
+    )  # fmt: skip
+
+
+def test_nccl_setup_refuses_two_roles_on_one_gpu_naming_cuda_ipc():
+    attention, ffn = _nccl_plane("GPU-a"), _nccl_plane("GPU-a")
+    offer = attention.setup(0, None)
+    assert offer == {"backend": "nccl", "gpu": "GPU-a"}
+    with pytest.raises(AFDConfigError, match="set afd.connector_extra_config.backend"):
+        ffn.setup(0, offer)
+    assert _nccl_plane("GPU-b").setup(0, offer) == {"backend": "nccl", "gpu": "GPU-b"}

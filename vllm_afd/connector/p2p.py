@@ -85,6 +85,7 @@ def build(
             backend=backend,
             timeout_s=max(timeout_s, extra["warmup_timeout_s"]),
             connect_timeout_s=connect_timeout_s,
+            gpu=_gpu_uuid(device) if backend == "nccl" else "",
         )
     return AFDConnector.assemble(
         "p2p", config, role_rank, topology, fingerprint, device, extra,
@@ -132,3 +133,10 @@ def _ipc_plane(
         allow_time_slicing=extra["allow_time_slicing"],
         copy=extra["ipc_copy"],
     )
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime
 import errno
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,12 @@ import torch.distributed as dist
 from vllm_afd.connector.control import Rendezvous
 from vllm_afd.connector.data import Capabilities, DataPlane, Work
 from vllm_afd.connector.p2p_wire import listen
-from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
+from vllm_afd.errors import (
+    AFDConfigError,
+    AFDConnectorError,
+    AFDPeerError,
+    AFDTimeoutError,
+)
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -85,8 +92,10 @@ class P2PDataPlane(DataPlane):
         backend: str,
         timeout_s: float,
         connect_timeout_s: float,
+        gpu: str = "",
     ) -> None:
         self._host, self._store_port = host, store_port
+        self._gpu = gpu  # NCCL: this endpoint's GPU UUID (setup compares them)
         self._rank, self._world = global_rank, world_size
         self._backend = backend
         self._timeout_s, self._connect_timeout_s = timeout_s, connect_timeout_s
@@ -97,6 +106,19 @@ class P2PDataPlane(DataPlane):
         self.prepost_recv = backend != "nccl"
         self.backend = backend
         self.capabilities = _NCCL if backend == "nccl" else _GLOO
+
+    def setup(self, peer: int, theirs: Mapping[str, Any] | None) -> dict[str, Any]:
+        mine = super().setup(peer, theirs)
+        if self.backend != "nccl":
+            return mine
+        if theirs is not None and self._gpu and theirs.get("gpu") == self._gpu:
+            raise AFDConfigError(
+                f"attention peer {peer} and this ffn rank are on one GPU "
+                f"({self._gpu}): NCCL cannot pair two ranks on one GPU; set "
+                "afd.connector_extra_config.backend='cuda_ipc' on both roles "
+                "(with the MPS daemon running)"
+            )
+        return {**mine, "gpu": self._gpu}
 
     def prepare(self) -> None:
         if self._rank != 0:
