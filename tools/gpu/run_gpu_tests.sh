@@ -14,7 +14,9 @@
 #   -- ARGS        passed to tools/gpu/bench_decode.py (e.g. --cuda-graphs)
 #
 # OUTDIR receives: pytest.log, junit.xml, results.json (tests), bench.json and
-# bench_servers.log (benchmarks), server_logs.tgz (every role's server log).
+# bench_servers.log (benchmarks; with one GPU bench_connector_ce.json and
+# bench_connector_sm.json, the cuda_ipc round trip), server_logs.tgz (every
+# role's server log).
 set -uo pipefail
 
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -81,8 +83,22 @@ for case in ET.parse(f"{out}/junit.xml").iter("testcase"):
 json.dump({"tests": cases}, open(f"{out}/results.json", "w"), indent=2)
 PY
 fi
-if [ $RUN_BENCH = 1 ]; then
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ $RUN_BENCH = 1 ] && [ "$GPUS" -ge 2 ]; then
   python3 tools/gpu/bench_decode.py --out "$OUT/bench.json" \
     --log "$OUT/bench_servers.log" "$@" || rc=1
+elif [ $RUN_BENCH = 1 ]; then
+  # One GPU: the decode benchmark needs two; measure the cuda_ipc round trip
+  # (both copies) against the device-copy floor instead, under MPS.
+  STARTED_MPS=0
+  if [ ! -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ]; then
+    nvidia-cuda-mps-control -d && STARTED_MPS=1
+  fi
+  for copy in ce sm; do
+    python3 tools/bench_connector.py --device cuda --backend cuda_ipc \
+      --ipc-copy $copy --tokens 1 16 64 256 --hidden 2048 7168 \
+      --json "$OUT/bench_connector_$copy.json" || rc=1
+  done
+  [ $STARTED_MPS = 1 ] && echo quit | nvidia-cuda-mps-control
 fi
 exit $rc
