@@ -46,6 +46,8 @@ _KIND_MASK = (1 << UBATCH_SHIFT) - 1
 _UBATCH_MASK = 0b111
 #: spins between two reads of the abort word (host memory)
 _ABORT_EVERY = 256
+#: the shortest device-side wait (see CudaIpcDataPlane._wait)
+_MIN_TIMEOUT_NS = 1 << 31
 #: elements (int32, or bytes) one program of the sm copy moves
 _SM_BLOCK = 2048
 
@@ -315,6 +317,10 @@ class CudaIpcDataPlane(DataPlane):
         # warm-up limit the capture step was planned with.
         capturing = torch.cuda.is_current_stream_capturing()
         timeout_ns = self._timeout_ns if capturing else int(timeout_s * 1e9)
+        # At least 2^31 ns (2.1 s): an int64 argument in every call. Triton
+        # compiles one kernel per argument type, and a graph capture must not
+        # meet a kernel its eager warm-up did not compile.
+        timeout_ns = max(timeout_ns, _MIN_TIMEOUT_NS)
         _, flag = self._flag_views(i, region.slot)
         self._k.wait_kernel[(1,)](
             flag, self._seq[i, 1, region.slot:region.slot + 1], self._failed,
