@@ -1,8 +1,7 @@
 """Faults of real role processes: the attention role survives its FFN rank.
 
-Also the exactness of the M:N topologies 2A1F (tiny Qwen3-MoE) and 3A2F
-(tiny DeepSeek-V2; F does not divide A, so the FFN ranks serve blocks of two
-and one attention ranks): 16 prompts against plain vLLM, before and after each
+Also the exactness of the M:N topologies 2A1F (tiny Qwen3-MoE) and 2A2F
+(tiny DeepSeek-V2): 16 prompts against plain vLLM, before and after each
 fault. One deployment per topology (1A1F, 2A1F), the launcher's own
 supervision (``Deployment.supervise``) running beside it, and in that one
 lifetime:
@@ -308,24 +307,15 @@ def _attention_lines(log) -> str:
     )
 
 
-def test_one_ffn_rank_of_3a2f_dies_and_the_deployment_re_forms(tmp_path):
-    """3A2F, where F does not divide A: ffn rank 0 serves attention ranks 0
-    and 1 (it merges their tokens), ffn rank 1 serves attention rank 2; the
-    output is exact. Then ffn rank 1 SIGKILLed: attention rank 2 loses it,
-    ffn rank 0 sees its membership end and re-forms the session (its own
-    attention ranks go down too), every rank answers 503 until the
-    supervisor's restart of ffn rank 1 has rejoined; ffn rank 0 and the
-    attention server keep running, and the output is exact after. A clean
-    stop of the attention role then re-forms nothing: both FFN ranks stop by
-    themselves with exit code 0."""
-    # With 3 data-parallel ranks vLLM builds the attention role's MoE layers
-    # over 3 ranks, which needs moe_intermediate_size divisible by 3 (as plain
-    # vLLM with --data-parallel-size 3 does): width 192 gives 96.
-    model = write_tiny_checkpoint(
-        tmp_path / "v2-192", arch="deepseek_v2", num_layers=4, hidden_size=192
-    )
-    plain = _plain_of(model)
-    afd, log = _start(model, 3, 2)
+def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
+    """2A2F, ffn rank 1 SIGKILLed: attention rank 1 loses it, ffn rank 0 sees
+    its membership end and re-forms the session (its own attention rank goes
+    down too), every rank answers 503 until the supervisor's restart of ffn
+    rank 1 has rejoined; ffn rank 0 and the attention server keep running,
+    and the output is exact after. A clean stop of the attention role then
+    re-forms nothing: both FFN ranks stop by themselves with exit code 0."""
+    plain = _plain_of(tiny_models["deepseek_v2"])
+    afd, log = _start(tiny_models["deepseek_v2"], 2, 2)
     url, figures = afd.api_url, {}
     try:
         name = served_model(url)
@@ -345,16 +335,16 @@ def test_one_ffn_rank_of_3a2f_dies_and_the_deployment_re_forms(tmp_path):
             figures["/health 503"] = time.monotonic() - killed
             code, text = _get(f"{url}/v1/models")
             assert code == 200  # GET routes stay
-            # ffn rank 1's only attention peer goes down. Each API server
+            # ffn rank 1's attention peer goes down. Each API server
             # process reads the ranks' state on its own (cached 0.1 s), so
             # /afd/status may answer from another process a moment later.
             _wait(
                 lambda: any(
-                    r["attention_rank"] == 2 and not r["up"]
+                    r["attention_rank"] == 1 and not r["up"]
                     for r in _status(url)["ranks"]
                 ),
                 5,
-                "attention rank 2 down in /afd/status",
+                "attention rank 1 down in /afd/status",
             )
             _wait(
                 lambda: all(not r["up"] for r in _status(url)["ranks"]),
@@ -378,7 +368,7 @@ def test_one_ffn_rank_of_3a2f_dies_and_the_deployment_re_forms(tmp_path):
     finally:
         afd.stop()
     FAULT_RESULTS.append(
-        "3A2F (ffn rank 1 SIGKILL): "
+        "2A2F (ffn rank 1 SIGKILL): "
         + ", ".join(f"{k} {v:.2f}s" for k, v in figures.items())
     )
 

@@ -7,7 +7,7 @@ The baseline is one plain vLLM engine with the same TP size.
 ``VLLM_CPU_OMP_THREADS_BIND=0|1`` binds the two TP workers of an engine to
 the two cores (vLLM's automatic binding needs one NUMA node per worker).
 
-The M:N topologies (2A1F, 3A2F) are checked for exactness in
+The M:N topologies (2A1F, 2A2F) are checked for exactness in
 ``test_faults.py``, in the same deployments that then lose FFN ranks. The
 tiny DeepSeek-V2 in fp32, eager, keeps CI time down.
 """
