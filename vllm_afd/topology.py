@@ -114,6 +114,11 @@ class Topology:
             return tuple(self.attention_peers(role_rank))
         return (self.ffn_peer(role_rank),)
 
+    def peer_global_ranks(self, role: AFDRole, role_rank: int) -> tuple[int, ...]:
+        """Connector ranks of :meth:`peers`, in the same order."""
+        other = AFDRole.FFN if role is AFDRole.ATTENTION else AFDRole.ATTENTION
+        return tuple(self.global_rank(other, p) for p in self.peers(role, role_rank))
+
     def _check_role_rank(self, role: AFDRole, role_rank: int) -> None:
         n = self.num_ranks(role)
         if not 0 <= role_rank < n:

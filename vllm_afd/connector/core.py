@@ -87,9 +87,8 @@ class ConnectorCore:
             layer: self._hidden * fingerprint.moe_output_parts
             for layer in fingerprint.moe_layers
         }
-        other = FFN if role is ATT else ATT
         self._peer_ranks = topology.peers(role, role_rank)
-        self._peers = tuple(topology.global_rank(other, p) for p in self._peer_ranks)
+        self._peers = topology.peer_global_ranks(role, role_rank)
         self._started = self._closed = False
         # The role while usable (started, not closed, not failed), else None.
         self._live: AFDRole | None = None

@@ -122,9 +122,7 @@ class LoopbackControlPlane(ControlPlane):
     ) -> None:
         self._key, self._topo = key, topology
         self._me = topology.global_rank(role, role_rank)
-        other = AFDRole.FFN if role is AFDRole.ATTENTION else AFDRole.ATTENTION
-        peers = topology.peers(role, role_rank)
-        self._peers = [topology.global_rank(other, p) for p in peers]
+        self._peers = topology.peer_global_ranks(role, role_rank)
         self._timeout_s, self._connect_timeout_s = timeout_s, connect_timeout_s
         self.hub: _Hub | None = None
         self._closed = False

@@ -102,17 +102,12 @@ def _ipc_plane(
     extra: dict[str, Any],
     limits: ExchangeLimits,
 ) -> DataPlane:
-    import torch
 
     from vllm_afd.connector.core import torch_dtype
     from vllm_afd.connector.ipc_data import CudaIpcDataPlane
     from vllm_afd.connector.ipc_layout import Shapes
-    from vllm_afd.roles import AFDRole
 
-    other = AFDRole.FFN if config.role is AFDRole.ATTENTION else AFDRole.ATTENTION
-    peers = tuple(
-        topology.global_rank(other, p) for p in topology.peers(config.role, role_rank)
-    )
+    peers = topology.peer_global_ranks(config.role, role_rank)
     shapes = Shapes(
         max_tokens=limits.max_tokens,
         ubatches=limits.ubatches,
@@ -122,12 +117,10 @@ def _ipc_plane(
         gate=fingerprint.compute_gate_on_attention,
         moe_output_parts=fingerprint.moe_output_parts,
     )
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     return CudaIpcDataPlane(
         role=config.role,
         peers=peers,
-        device=device,
+        device=_cuda_device(device),
         shapes=shapes,
         timeout_s=extra["timeout_s"],
         allow_time_slicing=extra["allow_time_slicing"],
@@ -135,8 +128,16 @@ def _ipc_plane(
     )
 
 
+def _cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` alone: the current device)."""
+    import torch
+
+    if device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _gpu_uuid(device: torch.device) -> str:
     import torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return str(torch.cuda.get_device_properties(index).uuid)
+    return str(torch.cuda.get_device_properties(_cuda_device(device)).uuid)

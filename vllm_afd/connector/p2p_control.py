@@ -72,8 +72,7 @@ class P2PControlPlane(ControlPlane):
         self._heard: list[float] = []  # per channel: when the peer last spoke
         self._stop = threading.Event()
         self._peers = topology.peers(role, role_rank)
-        other = AFDRole.FFN if role is AFDRole.ATTENTION else AFDRole.ATTENTION
-        self._peer_global = [topology.global_rank(other, p) for p in self._peers]
+        self._peer_global = topology.peer_global_ranks(role, role_rank)
         self._shutdown: dict[int, str] = {}  # peer index -> reason
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
