@@ -313,6 +313,13 @@ class CudaIpcDataPlane(DataPlane):
         local = self._local[i]
         if local is None:
             raise AFDConnectorError("the cuda_ipc data plane is closed")
+        out = dest.view(-1).view(torch.uint8)
+        n = out.numel()
+        if n > region.nbytes:  # before the wait counts the exchange
+            raise AFDConnectorError(
+                f"a receive of {n} bytes exceeds the {region.nbytes}-byte cuda_ipc "
+                "buffer sized at the handshake"
+            )
         # A replay runs long after capture: it waits timeout_s, not the
         # warm-up limit the capture step was planned with.
         capturing = torch.cuda.is_current_stream_capturing()
@@ -328,13 +335,6 @@ class CudaIpcDataPlane(DataPlane):
             POISON_BIT=self._k.POISON, SEQ_SHIFT=self._k.SEQ_SHIFT,
             ABORT_EVERY=_ABORT_EVERY,
         )  # fmt: skip
-        out = dest.view(-1).view(torch.uint8)
-        n = out.numel()
-        if n > region.nbytes:
-            raise AFDConnectorError(
-                f"a receive of {n} bytes exceeds the {region.nbytes}-byte cuda_ipc "
-                "buffer sized at the handshake"
-            )
         out.copy_(local[region.offset : region.offset + n])
 
     # ---------------------------------------------------------------- errors
