@@ -37,13 +37,14 @@ def family_models(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The figures of test_families.py, test_multi_host.py and test_faults.py,
-    at the end."""
+    """The figures of test_families.py, test_multi_host.py, test_faults.py
+    and test_plan.py, at the end."""
     harness = sys.modules.get("harness")
     for title, results in (
         ("AFD model families (identical greedy / bytes)", "FAMILY_RESULTS"),
         ("AFD across emulated hosts (identical greedy / start-up)", "HOST_RESULTS"),
         ("AFD faults (seconds from the fault)", "FAULT_RESULTS"),
+        ("vllm-afd plan (predicted vs measured)", "PLAN_RESULTS"),
     ):
         lines = getattr(harness, results, [])
         if lines:

@@ -28,6 +28,8 @@ FAMILY_RESULTS: list[str] = []
 HOST_RESULTS: list[str] = []
 #: one line per fault-tolerance case (test_faults.py), printed at the end
 FAULT_RESULTS: list[str] = []
+#: predicted vs measured of the plan check (test_plan.py), printed at the end
+PLAN_RESULTS: list[str] = []
 
 #: settings shared by AFD and the baseline: exactness is "same settings"
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
@@ -297,6 +299,11 @@ class LogSink(io.StringIO):
     def write(self, s: str) -> int:
         with self._lock:
             return super().write(s)
+
+
+def print_log_tail(log: LogSink, lines: int = 200) -> None:
+    """Print the role logs' last ``lines`` (pytest shows them with a failure)."""
+    print("\n".join(log.getvalue().splitlines()[-lines:]))
 
 
 def start(spec: DeploymentSpec, **kw: Any) -> tuple[Deployment, LogSink]:

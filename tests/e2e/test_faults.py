@@ -40,6 +40,7 @@ from harness import (
     complete,
     make_spec,
     plain_outputs,
+    print_log_tail,
     prompts,
     run_workload,
     served_model,
@@ -284,6 +285,9 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             _wait(lambda: supervisor.error is not None, 60, "the supervisor to stop")
         assert "cannot rejoin" in str(supervisor.error)
         assert all(p.exit_code() is not None for p in afd.processes)
+    except BaseException:
+        print_log_tail(log)
+        raise
     finally:
         afd.stop()
     FAULT_RESULTS.append(

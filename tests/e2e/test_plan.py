@@ -1,0 +1,80 @@
+"""``vllm-afd plan`` end to end on a tiny model: measure, predict, check.
+
+One run profiles 1A1F AFD and plain vLLM (two server lifetimes), predicts
+every deployment of up to 3 role processes, and ``--check`` launches 2A1F
+and measures it beside its prediction. The report must hold every part with
+sane values; a second run reads the cached profile and starts no server.
+The prediction errors are printed in the summary (this machine is noisy:
+they are figures, not assertions).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from harness import PLAN_RESULTS, free_ports
+
+pytestmark = pytest.mark.e2e
+
+ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "float32"]
+
+
+def _plan(model, out, *extra: str) -> subprocess.CompletedProcess:
+    port, ffn_port, afd_port = free_ports(3)
+    argv = [
+        sys.executable, "-m", "vllm_afd.cli.main", "plan", str(model),
+        *("--context-lens", "32,128", "--batch-sizes", "1,4"),
+        *("--decode-tokens", "12", "--devices", "3"),
+        *("--port", str(port), "--ffn-port", str(ffn_port)),
+        *("--afd-port", str(afd_port), "--cache-dir", str(out / "cache")),
+        *extra, "--", *ARGS,
+    ]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=1500)
+
+
+def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
+    model = tiny_models["deepseek_v2"]
+    report = tmp_path / "plan.json"
+    run = _plan(model, tmp_path, "--check", "--check-topologies", "2A1F",
+                "--json", str(report), "--plot", str(tmp_path / "plan.png"),
+                "--server-log", str(tmp_path / "servers.log"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(report.read_text())
+    prof = data["profile"]
+    assert prof["platform"] == "cpu" and prof["remote_layers"] > 0
+    for part in ("ffn", "comm"):
+        assert [x for x, _ in prof[part]] == [1.0, 4.0]
+    assert prof["ffn"][0][1] > 0  # the FFN computes something per step
+    for context in ("32", "128"):
+        assert all(t > 0 for _, t in prof["attention"][context])
+        assert all(t > 0 for _, t in prof["colocated"][context])
+    assert prof["kv_tokens_attention"] > 0 and prof["kv_tokens_colocated"] > 0
+    names = {r["name"] for r in data["plan"]["rows"]}
+    assert names == {"1A1F", "2A1F"}  # 3 processes; no micro-batches on CPU
+    rec = data["plan"]["recommended"]
+    assert rec["name"] in names and data["plan"]["reason"]
+    [check] = data["check"]
+    assert check["deployment"] == "2A1F" and check["measured_step_ms"] > 0
+    assert "recommended:" in run.stdout and "median |step error|" in run.stdout
+    assert "measured on cpu" in run.stdout
+    PLAN_RESULTS.append(
+        f"2A1F batch {check['batch']}: predicted {check['predicted_step_ms']:.1f} "
+        f"ms, measured {check['measured_step_ms']:.1f} ms "
+        f"({check['step_error'] * 100:+.0f}%); recommended {rec['name']}"
+    )
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (tmp_path / "plan.png").stat().st_size > 0
+    except ImportError:
+        pass
+
+    again = _plan(model, tmp_path, "--json", str(tmp_path / "again.json"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "using the cached profile" in again.stderr
+    assert "starting" not in again.stderr  # no server
+    cached = json.loads((tmp_path / "again.json").read_text())
+    assert cached["plan"] == data["plan"]

