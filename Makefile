@@ -12,7 +12,7 @@ demo: setup
 test: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
-	.venv/bin/python -m pytest -q -p no:cacheprovider
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30
 
 # A few minutes: lint, unit and connector tests (no vLLM servers).
 test-fast: setup

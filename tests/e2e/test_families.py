@@ -1,14 +1,15 @@
 """Every model family through the one generic role split, exact against plain vLLM.
 
-For each family ``vllm-afd tiny-model`` writes (3 layers; layer 0 dense where the
-family has dense layers): AFD 1A1F with the gate on the FFN role and AFD 2A1F
-with the gate on the attention role, each compared token-for-token (and top-5
-logprobs) with one plain vLLM server of the same model and settings (fp32,
-eager). Each deployment also proves the role split from the roles' own start-up
-lines: the attention role holds no expert weights, the FFN role no attention,
-embedding, norm or lm_head weights, and both read the same split from what vLLM
-built. DeepSeek-V2/V3 run the same split in ``test_exact_1a1f.py``,
-``test_gate_on_attention.py`` and ``test_scale_out.py``.
+For each family ``vllm-afd tiny-model`` writes (3 layers; layer 0 dense where
+the family has dense layers): AFD 1A1F with the gate on the FFN role and AFD
+1A1F (Qwen2-MoE: 2A1F) with the gate on the attention role, each compared
+token-for-token (and top-5 logprobs) with one plain vLLM server of the same
+model and settings (fp32, eager). Each deployment also proves the role split
+from the roles' own start-up lines: the attention role holds no expert weights,
+the FFN role no attention, embedding, norm or lm_head weights, and both read
+the same split from what vLLM built. DeepSeek-V2/V3 run the same split in
+``test_exact_1a1f.py``, ``test_gate_on_attention.py`` and
+``test_scale_out.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ LAYOUTS = {
     "glm4_moe": ([1, 2], [0]),  # grouped sigmoid top-k + bias, scaling 2.5
 }
 
-# (family, attention ranks, gate on attention)
-CASES = [(f, 1, False) for f in LAYOUTS] + [(f, 2, True) for f in LAYOUTS]
+# (family, attention ranks, gate on attention): every family with the gate on
+# either role; one of them (Qwen2-MoE: a shared expert with its own gate) with
+# two attention ranks merged on the FFN (routing payloads of two ranks); the
+# merge itself is family-independent (tests/connector contract suite, 2A1F in
+# test_faults.py).
+CASES = [(f, 1, False) for f in LAYOUTS] + [
+    (f, 2 if f == "qwen2_moe" else 1, True) for f in LAYOUTS
+]
 
 #: with 2 attention ranks the FFN's merged batch holds other rows than plain
 #: vLLM's one batch, and CPU fp32 GEMMs of another row count may round

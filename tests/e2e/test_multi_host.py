@@ -2,14 +2,14 @@
 network stack, one address on a shared bridge), started by the same
 ``vllm-afd launch`` command on every host with that host's ``--node-rank``:
 
-* 1A1F: attention on host 0, the FFN on host 1;
 * 2A1F: attention rank 0 on host 0 (API), rank 1 on host 1 (vLLM headless
   data parallelism), the FFN on host 2;
 * 2A2F: attention as in 2A1F, FFN rank 0 on host 2, FFN rank 1 on host 1.
 
-Each is compared token for token with plain vLLM (one server, loopback) on
-the same model and settings. Needs root and ``ip``; the namespaces go with
-the test, on every exit path.
+(1A1F across two hosts is the 2A1F case's link from host 0 to host 2, so it is
+not run on its own.) Each is compared token for token with plain vLLM (one
+server, loopback) on the same model and settings. Needs root and ``ip``; the
+namespaces go with the test, on every exit path.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ READY = r"^AFD \d+A\d+F ready"
 
 CASES = {
     # name: (A, F, attention nodes, ffn nodes, hosts)
-    "1A1F-2hosts": (1, 1, "0", "1", 2),
     "2A1F-3hosts": (2, 1, "0,1", "2", 3),
     "2A2F-3hosts": (2, 2, "0,1", "2,1", 3),
 }

@@ -1,8 +1,8 @@
 """``vllm-afd plan`` end to end on a tiny model: measure, predict, check.
 
-One run profiles 1A1F AFD and plain vLLM (two server lifetimes), predicts
-every deployment of up to 3 role processes, and ``--check`` launches 2A1F
-and measures it beside its prediction. The report must hold every part with
+One run profiles 1A1F AFD, plain vLLM and (shared cores) 2A1F AFD, predicts
+every deployment of up to 3 role processes, and ``--check`` launches 1A1F
+again and measures it beside its prediction. The report must hold every part with
 sane values; a second run reads the cached profile and starts no server.
 The prediction errors are printed in the summary (this machine is noisy:
 they are figures, not assertions).
@@ -38,7 +38,7 @@ def _plan(model, out, *extra: str) -> subprocess.CompletedProcess:
 def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     model = tiny_models["deepseek_v2"]
     report = tmp_path / "plan.json"
-    run = _plan(model, tmp_path, "--check", "--check-topologies", "2A1F",
+    run = _plan(model, tmp_path, "--check", "--check-topologies", "1A1F",
                 "--json", str(report), "--plot", str(tmp_path / "plan.png"),
                 "--server-log", str(tmp_path / "servers.log"))  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -52,16 +52,18 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
         assert all(t > 0 for _, t in prof["attention"][context])
         assert all(t > 0 for _, t in prof["colocated"][context])
     assert prof["kv_tokens_attention"] > 0 and prof["kv_tokens_colocated"] > 0
+    assert set(prof["sharing"]) == {"32", "128"}  # measured on 2A1F
+    assert [len(v) for v in data["points"].values()] == [4, 4, 4]
     names = {r["name"] for r in data["plan"]["rows"]}
     assert names == {"1A1F", "2A1F"}  # 3 processes; no micro-batches on CPU
     rec = data["plan"]["recommended"]
     assert rec["name"] in names and data["plan"]["reason"]
     [check] = data["check"]
-    assert check["deployment"] == "2A1F" and check["measured_step_ms"] > 0
+    assert check["deployment"] == "1A1F" and check["measured_step_ms"] > 0
     assert "recommended:" in run.stdout and "median |step error|" in run.stdout
     assert "measured on cpu" in run.stdout
     PLAN_RESULTS.append(
-        f"2A1F batch {check['batch']}: predicted {check['predicted_step_ms']:.1f} "
+        f"1A1F batch {check['batch']}: predicted {check['predicted_step_ms']:.1f} "
         f"ms, measured {check['measured_step_ms']:.1f} ms "
         f"({check['step_error'] * 100:+.0f}%); recommended {rec['name']}"
     )

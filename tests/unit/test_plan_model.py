@@ -197,3 +197,28 @@ def test_plan_and_check_tables_render() -> None:
              "predicted_tokens_per_s_per_device": 1.0,
              "measured_tokens_per_s_per_device": 2.0}]  # fmt: skip
     assert "median |step error| 25%" in plan_cli.format_check(rows, "x", plan)
+
+
+def test_sharing_is_fitted_on_2a1f_and_charged_per_extra_attention_rank() -> None:
+    afd = [Point(64, b, 0.010 + 0.001 * b, wait_s=0.003, ffn_s=0.002) for b in (1, 4)]
+    plain = [Point(64, b, 0.008) for b in (1, 4)]
+    base = build_profile(afd, plain, "cpu", 16, remote_layers=2,
+                         kv_attention=None, kv_plain=None)  # fmt: skip
+    additive = predict(base, Candidate(2, 1), 64, 4).step_s
+    shared = [Point(64, 1, 1.0), Point(64, 4, additive + 0.005)]
+    prof = build_profile(afd, plain, "cpu", 16, shared=shared, remote_layers=2,
+                         kv_attention=None, kv_plain=None)  # fmt: skip
+    assert prof.sharing[64](4) == pytest.approx(0.005)
+    assert predict(prof, Candidate(2, 1), 64, 4).step_s == pytest.approx(
+        additive + 0.005
+    )
+    three = predict(prof, Candidate(3, 1), 64, 4).step_s
+    assert three == pytest.approx(predict(base, Candidate(3, 1), 64, 4).step_s + 0.010)
+    assert predict(prof, Candidate(1, 1), 64, 4) == predict(
+        base, Candidate(1, 1), 64, 4
+    )
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    # a 2A1F faster than the sum charges nothing
+    fast = build_profile(afd, plain, "cpu", 16, shared=[Point(64, 4, 0.0)],
+                         remote_layers=2, kv_attention=None, kv_plain=None)  # fmt: skip
+    assert fast.sharing[64](4) == 0.0

@@ -36,7 +36,7 @@ from vllm_afd.cli.plan_model import (
     best_batch,
     make_plan,
 )
-from vllm_afd.cli.plan_profile import LogWatch, Point, profile
+from vllm_afd.cli.plan_profile import LogWatch, Point, decode_step, profile
 from vllm_afd.config import DEFAULT_PORT
 
 #: bumped when what the cache holds changes meaning
@@ -87,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--batch-sizes", type=_ints("--batch-sizes"), default=[1, 4, 16],
         help="sequences per attention rank to measure and choose from",
     )  # fmt: skip
-    p.add_argument("--decode-tokens", type=int, default=16, help="per measured request")
+    p.add_argument("--decode-tokens", type=int, default=32, help="per measured request")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="step time bound")
     p.add_argument(
         "--devices", type=int, default=None,
@@ -213,17 +213,25 @@ def format_profile(prof: Profile, afd: list[dict]) -> str:
         f"measured parts per decode step ({prof.remote_layers} remote layers; "
         "per layer = / layers)",
         f"{'context':>8} {'batch':>6} {'T_a ms':>8} {'T_f ms':>8} {'T_c ms':>8} "
-        f"{'T_f/layer us':>13} {'plain ms':>9}",
+        f"{'T_f/layer us':>13} {'plain ms':>9}"
+        + (f" {'S ms':>7}" if prof.sharing else ""),
     ]
     for p in afd:
         c, b = p["context"], p["batch"]
         t_a = prof.attention[c](b)
         t_f, t_c = prof.ffn(b), prof.comm(b)
         plain = prof.colocated.get(c)
+        share = prof.sharing.get(c)
         lines.append(
             f"{c:>8} {b:>6} {t_a * 1e3:>8.2f} {t_f * 1e3:>8.2f} {t_c * 1e3:>8.2f} "
             f"{t_f / layers * 1e6:>13.1f} "
             f"{plain(b) * 1e3 if plain else float('nan'):>9.2f}"
+            + (f" {share(b) * 1e3:>7.2f}" if share else "")
+        )
+    if prof.sharing:
+        lines.append(
+            "S: what each attention rank beyond the first costs a step on these "
+            "shared cores beyond its work (measured on 2A1F)"
         )
     kv = (prof.kv_tokens_attention, prof.kv_tokens_colocated)
     lines.append(f"KV capacity (tokens): attention rank {kv[0]}, colocated {kv[1]}")
@@ -285,19 +293,19 @@ def check(
         dep = Deployment(spec, log=log)
         dep.start(args.ready_timeout)
         try:
-            tpot = _measured_tpot(dep.api_url, cand, context, pred.batch, args)
+            step = _measured_step(dep.api_url, cand, context, pred.batch, args)
         finally:
             dep.stop()
         devices = 1 if prof.shared_cores else cand.devices
-        measured = cand.attention_ranks * pred.batch / tpot / devices
+        measured = cand.attention_ranks * pred.batch / step / devices
         rows.append(
             {
                 "deployment": cand.name,
                 "context": context,
                 "batch": pred.batch,
                 "predicted_step_ms": pred.step_s * 1e3,
-                "measured_step_ms": tpot * 1e3,
-                "step_error": (pred.step_s - tpot) / tpot,
+                "measured_step_ms": step * 1e3,
+                "step_error": (pred.step_s - step) / step,
                 "predicted_tokens_per_s_per_device": pred.tokens_per_s_per_device,
                 "measured_tokens_per_s_per_device": measured,
             }
@@ -314,40 +322,30 @@ def _next_best(plan: Plan, context: int) -> list[Candidate]:
     return [_topologies(n.replace(" m=", ":"))[0] for n in names]
 
 
-def _measured_tpot(
+def _measured_step(
     url: str, cand: Candidate, context: int, batch: int, args: argparse.Namespace
 ) -> float:
     from vllm_afd.cli.bench_workload import model_info
 
     served, _ = model_info(url)
     n = cand.attention_ranks * batch
-    warm = build_requests(url, served, [context] * 2, [4] * 2, args.seed + 7)
-    run_requests("warm-up", url, served, warm, concurrency=2, rate=None, seed=0,
+    k = 2 * cand.attention_ranks  # every rank warms up
+    warm = build_requests(url, served, [context] * k, [4] * k, args.seed + 7)
+    run_requests("warm-up", url, served, warm, concurrency=k, rate=None, seed=0,
                  progress=False)  # fmt: skip
-    tpots = []
-    for k in range(args.repeats):
-        reqs = build_requests(
-            url, served, [context] * n, [args.decode_tokens] * n, args.seed + 1 + 10 * k
-        )
-        run = run_requests(
-            cand.name,
+    steps = [
+        decode_step(
             url,
             served,
-            reqs,
-            concurrency=n,
-            rate=None,
-            seed=0,
-            progress=False,
+            n,
+            context,
+            args.decode_tokens,
+            args.seed + 1 + 10 * k,
+            f"--check {cand.name}",
         )
-        failed = [r.error for r in run.requests if r.error]
-        if failed:
-            raise LaunchError(
-                f"--check {cand.name}: {len(failed)} request(s) failed: {failed[0]}"
-            )
-        tpots.append(
-            statistics.median(r.tpot_s for r in run.requests if r.tpot_s is not None)
-        )
-    return statistics.median(tpots)  # fmt: skip
+        for k in range(args.repeats)
+    ]
+    return statistics.median(steps)
 
 
 def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
@@ -374,8 +372,9 @@ def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
 
 
 def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
-    """Tokens/s per device against A:F, one line per context and micro-batch
-    count, colocated as a dashed reference; False without matplotlib."""
+    """Tokens/s per device against A:F (the best deployment at each A:F,
+    named), one line per context and micro-batch count, colocated as a
+    dotted reference; False without matplotlib."""
     try:
         import matplotlib
 
@@ -386,15 +385,31 @@ def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for c in plan.contexts:
         for m in sorted({_m(p) for p in plan.rows}):
-            pts = sorted(
-                (_ratio(p), p.tokens_per_s_per_device)
-                for p in plan.rows
-                if p.context == c and _m(p) == m
-            )
-            if pts:
-                xs, ys = zip(*pts, strict=True)
+            best: dict[float, Prediction] = {}  # per A:F, the best deployment
+            for p in plan.rows:
+                r = _ratio(p)
+                if (
+                    p.context == c
+                    and _m(p) == m
+                    and (
+                        r not in best
+                        or p.tokens_per_s_per_device > best[r].tokens_per_s_per_device
+                    )
+                ):
+                    best[r] = p
+            if best:
+                xs = sorted(best)
+                ys = [best[r].tokens_per_s_per_device for r in xs]
                 style = "-o" if m == 1 else "--s"
                 ax.plot(xs, ys, style, label=f"context {c}, m={m}")
+                for r, y in zip(xs, ys, strict=True):
+                    ax.annotate(
+                        best[r].name.split(" ")[0],
+                        (r, y),
+                        fontsize=6,
+                        textcoords="offset points",
+                        xytext=(3, 3),
+                    )
         base = plan.baselines.get(c)
         if base:
             ax.axhline(base.tokens_per_s_per_device, linestyle=":", color="grey")
@@ -465,24 +480,24 @@ def run_plan(args: argparse.Namespace) -> int:
         if path.is_file() and not args.no_cache:
             cached = json.loads(path.read_text())
             prof = Profile.from_json(cached["profile"])
-            afd_points = cached["afd_points"]
+            points = cached["points"]
+            where = cached.get("provenance", where)
             _note(f"using the cached profile {path} (--no-cache measures again)")
         else:
-            prof, afd, plain = profile(
+            prof, measured = profile(
                 spec, args.context_lens, args.batch_sizes, args.decode_tokens,
                 platform, seed=args.seed, repeats=args.repeats, log=log,
                 note=_note,
             )  # fmt: skip
-            afd_points = _points_json(afd)
+            points = {k: _points_json(v) for k, v in measured.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({
-                "profile": prof.to_json(), "afd_points": afd_points,
-                "plain_points": _points_json(plain), "provenance": where,
+                "profile": prof.to_json(), "points": points, "provenance": where,
             }, indent=1))  # fmt: skip
         plan = make_plan(prof, devices, args.context_lens, args.batch_sizes,
                          _slo(args), args.max_ubatches)  # fmt: skip
         unit = "tok/s/host" if prof.shared_cores else "tok/s/device"
-        print(format_profile(prof, afd_points))
+        print(format_profile(prof, points["afd"]))
         print(format_plan(plan, unit), flush=True)
         checked = check(args, spec, prof, plan, gpus, log) if args.check else []
         if checked:
@@ -495,10 +510,10 @@ def run_plan(args: argparse.Namespace) -> int:
     finally:
         if sink is not None:
             sink.close()
-    print(bench_report.provenance_line(where))
+    print("profile " + bench_report.provenance_line(where))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "profile": prof.to_json(), "afd_points": afd_points,
+            "profile": prof.to_json(), "points": points,
             "plan": plan.to_json(), "check": checked, "devices": devices,
             "provenance": where,
         }, indent=1))  # fmt: skip

@@ -23,6 +23,11 @@ FFN rank k serves n_k attention ranks (blocks of ceil(x/y) or floor(x/y),
     one host's cores (CPU):         the roles share the cores, so nothing
                                     overlaps and concurrent ranks add up:
                                     step = m*(x*T_a(u) + T_c(u) + y*T_f(n*u))
+                                           + (x-1)*S(b)
+    S(b, c): what each attention rank beyond the first costs on shared cores
+    beyond its own work (scheduling, vLLM's data-parallel step sync, the FFN
+    waiting for the later rank each layer), measured on 2A1F as its step less
+    the sum without S; it is part of the communication figure.
 
 ``T_f(n*u)`` at small ``u`` keeps its intercept (the expert weights read
 once per call), so the model charges micro-batches their re-reads. Tokens
@@ -105,6 +110,9 @@ class Profile:
         comm: ``T_c(tokens)``.
         kv_tokens_attention: KV capacity (tokens) of one attention rank, if known.
         kv_tokens_colocated: of a plain vLLM rank, if known.
+        sharing: shared cores only: ``{context: S(batch)}``, what each
+            attention rank beyond the first costs a step on top of its work
+            (measured on 2A1F; empty: nothing).
     """
 
     platform: str
@@ -116,6 +124,7 @@ class Profile:
     comm: Curve
     kv_tokens_attention: int | None = None
     kv_tokens_colocated: int | None = None
+    sharing: dict[int, Curve] = field(default_factory=dict)
 
     @property
     def shared_cores(self) -> bool:
@@ -129,6 +138,7 @@ class Profile:
         d["attention"] = {str(k): c(v) for k, v in self.attention.items()}
         d["colocated"] = {str(k): c(v) for k, v in self.colocated.items()}
         d["ffn"], d["comm"] = c(self.ffn), c(self.comm)
+        d["sharing"] = {str(k): c(v) for k, v in self.sharing.items()}
         return d
 
     @classmethod
@@ -146,6 +156,7 @@ class Profile:
             comm=c(d["comm"]),
             kv_tokens_attention=d.get("kv_tokens_attention"),
             kv_tokens_colocated=d.get("kv_tokens_colocated"),
+            sharing={int(k): c(v) for k, v in d.get("sharing", {}).items()},
         )
 
 
@@ -209,7 +220,8 @@ def predict(profile: Profile, cand: Candidate, context: int, batch: int) -> Pred
     t_a = _nearest(profile.attention, context)(u)
     t_c, t_f = profile.comm(u), profile.ffn(n * u)
     if profile.shared_cores:
-        a, c, f = m * x * t_a, m * t_c, m * y * t_f
+        share = _nearest(profile.sharing, context)(batch) if profile.sharing else 0.0
+        a, c, f = m * x * t_a, m * t_c + (x - 1) * share, m * y * t_f
         step = a + c + f
         per_device = x * batch / step
     else:
@@ -287,12 +299,12 @@ def best_batch(
 
 
 REASONS = {
-    Bound.ATTENTION: "attention-bound: the FFN rank waits on its attention "
-    "ranks, so more attention ranks per FFN rank raise its use",
-    Bound.COMMUNICATION: "communication-bound: the round trip dominates; "
-    "fewer, larger exchanges (more attention ranks per FFN rank) amortize it",
-    Bound.FFN: "FFN-bound: the FFN rank is the slowest part; fewer attention "
-    "ranks per FFN rank (or more FFN ranks) relieve it",
+    Bound.ATTENTION: "attention-bound: the attention ranks' work is the largest "
+    "part of its step, the FFN rank waits for them",
+    Bound.COMMUNICATION: "communication-bound: the round trip (on shared cores "
+    "with what sharing them costs) is the largest part of its step",
+    Bound.FFN: "FFN-bound: the FFN rank's compute is the largest part of its "
+    "step, the attention ranks wait for it",
 }
 
 

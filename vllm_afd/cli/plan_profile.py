@@ -3,32 +3,33 @@
 The parts the decode model needs (``cli.plan_model``) come from real servers
 running the user's model with vLLM's own kernels: a 1A1F AFD deployment and
 plain vLLM, one after the other, each answering ``b`` concurrent requests of
-``c`` prompt tokens for every (context, batch) point. Per point, on the AFD
-side, the workload runs twice — 2 output tokens, then ``decode_tokens`` —
-and the AFD counters' difference between the two runs is the decode steps
-alone (prefill cancels out)::
+``c`` prompt tokens for every (context, batch) point. Per point the workload
+runs twice, 2 output tokens, then ``decode_tokens``: the difference of the
+two runs' wall times over the extra steps is the decode ``step`` (prefill
+cancels out), and on the AFD side so are the AFD counters' differences::
 
     T_f = d(afd_ffn_compute_seconds, FFN) / d(afd_steps)
     W   = d(afd_connector_wait_seconds, attention) / d(afd_steps)
     T_c = max(W - T_f, 0)
-    T_a = max(median TPOT - max(W, T_f), 0)
+    T_a = max(step - max(W, T_f), 0)
 
 so T_a + T_c + T_f is the measured 1A1F step whenever W >= T_f. (W < T_f
 happens on shared cores: the FFN output can be there before the attention
 asks for it.)
 
-Plain vLLM's median TPOT at the point is the colocated step T_p. The KV
+Plain vLLM's ``step`` at the point is the colocated T_p. The KV
 capacity of each comes from vLLM's start-up line ``KV cache size: N tokens``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import statistics
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -38,10 +39,9 @@ from vllm_afd.cli.bench_workload import (
     build_requests,
     model_info,
     run_requests,
-    timed_request,
 )
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
-from vllm_afd.cli.plan_model import Curve, Profile
+from vllm_afd.cli.plan_model import Candidate, Curve, Profile, predict
 from vllm_afd.models.layout import parse_model_line
 
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -101,7 +101,8 @@ def _requests(
     return build_requests(url, served, [context] * batch, [out] * batch, seed)
 
 
-def _tpot(url: str, served: str, reqs: list[Request], what: str) -> tuple[float, int]:
+def _duration(url: str, served: str, reqs: list[Request], what: str) -> float:
+    """Wall seconds of ``reqs``, all in flight at once (streamed)."""
     run = run_requests(
         what, url, served, reqs, concurrency=len(reqs), rate=None, seed=0,
         progress=False,
@@ -109,8 +110,31 @@ def _tpot(url: str, served: str, reqs: list[Request], what: str) -> tuple[float,
     failed = [r.error for r in run.requests if r.error]
     if failed:
         raise RuntimeError(f"{what}: {len(failed)} request(s) failed: {failed[0]}")
-    tpots = [r.tpot_s for r in run.requests if r.tpot_s is not None]
-    return statistics.median(tpots), len(tpots)
+    return run.duration_s
+
+
+#: output tokens of the short run of a point (prefill and one decode step)
+SHORT = 2
+
+
+def decode_step(
+    url: str, served: str, n: int, context: int, decode_tokens: int, seed: int,
+    what: str, between: Callable[[], None] | None = None,
+) -> float:  # fmt: skip
+    """Seconds per decode step of ``n`` concurrent sequences of ``context``
+    tokens: the wall time of a run of ``decode_tokens`` output tokens less
+    that of a run of :data:`SHORT`, over the extra steps (prefill, the same
+    in both, cancels out). ``between`` runs before, between and after the
+    two runs (counter reads)."""
+    short = _requests(url, served, context, n, SHORT, seed)
+    long = _requests(url, served, context, n, decode_tokens, seed + 1)
+    step = between or (lambda: None)
+    step()
+    t_short = _duration(url, served, short, what)
+    step()
+    t_long = _duration(url, served, long, what)
+    step()
+    return max(t_long - t_short, 0.0) / (decode_tokens - SHORT)
 
 
 def measure_afd_point(
@@ -119,13 +143,12 @@ def measure_afd_point(
 ) -> Point:  # fmt: skip
     """T_a, T_f and the round trip of one point (see the module doc)."""
     what = f"AFD c={context} b={batch}"
-    short = _requests(url, served, context, batch, 2, seed)
-    long = _requests(url, served, context, batch, decode_tokens, seed + 1)
-    c0 = settled_counters(url, ffn_urls)
-    _tpot(url, served, short, what)
-    c1 = settled_counters(url, ffn_urls)
-    tpot, _ = _tpot(url, served, long, what)
-    c2 = settled_counters(url, ffn_urls)
+    reads: list[dict] = []
+    tpot = decode_step(
+        url, served, batch, context, decode_tokens, seed, what,
+        between=lambda: reads.append(settled_counters(url, ffn_urls)),
+    )  # fmt: skip
+    c0, c1, c2 = reads
 
     def d(name: str, role: str) -> float:
         def total(c: dict) -> float:
@@ -151,9 +174,11 @@ def measure_afd_point(
 def measure_plain_point(
     url: str, served: str, context: int, batch: int, decode_tokens: int, seed: int
 ) -> Point:
-    reqs = _requests(url, served, context, batch, decode_tokens, seed + 1)
-    tpot, _ = _tpot(url, served, reqs, f"plain c={context} b={batch}")
-    return Point(context, batch, tpot)
+    what = f"plain c={context} b={batch}"
+    return Point(
+        context, batch, decode_step(url, served, batch, context, decode_tokens,
+                                    seed, what)
+    )  # fmt: skip
 
 
 def median_point(points: Sequence[Point]) -> Point:
@@ -178,9 +203,10 @@ def _check_lengths(url: str, contexts: Sequence[int], decode_tokens: int) -> str
     return served
 
 
-def _warm(url: str, served: str, context: int) -> None:
-    for req in _requests(url, served, context, 2, 4, seed=97):
-        timed_request(url, served, req, stream=True)
+def _warm(url: str, served: str, context: int, n: int) -> None:
+    reqs = _requests(url, served, context, n, 4, seed=97)
+    run_requests("warm-up", url, served, reqs, concurrency=n, rate=None, seed=0,
+                 progress=False)  # fmt: skip
 
 
 def profile(
@@ -194,49 +220,72 @@ def profile(
     repeats: int = 1,
     log: LogWatch | None = None,
     note: Callable[[str], None] | None = None,
-) -> tuple[Profile, list[Point], list[Point]]:
-    """Measure every point on 1A1F AFD, then on plain vLLM (``spec``'s model
-    and vLLM arguments), each ``repeats`` times (medians); the profile and
-    the points."""
+) -> tuple[Profile, dict[str, list[Point]]]:
+    """Measure every point on 1A1F AFD, on plain vLLM (``spec``'s model and
+    vLLM arguments) and, on shared cores, on 2A1F AFD, each ``repeats``
+    times (medians); the profile and the points by phase."""
     log = log or LogWatch()
     say = note or (lambda s: print(f"vllm-afd plan: {s}", file=sys.stderr, flush=True))
     grid = [(c, b) for c in contexts for b in batches]
-    afd_spec = dataclasses.replace(spec, attention_ranks=1, ffn_ranks=1, ubatches=1)
-    afd_points, plain_points = [], []
+    phases = ["afd", "plain", *(["shared"] if platform == "cpu" else [])]
+    counter = iter(range(1, len(grid) * len(phases) + 1))
+    points: dict[str, list[Point]] = {}
+
+    def each(name: str, measure: Callable[[int, int, int], Point]) -> list[Point]:
+        out = []
+        for c, b in grid:
+            say(
+                f"[{next(counter)}/{len(grid) * len(phases)}] {name} context {c} "
+                f"batch {b}"
+            )
+            out.append(
+                median_point([measure(c, b, seed + 10 * k) for k in range(repeats)])
+            )
+        return out  # fmt: skip
+
     say("starting AFD 1A1F to measure both roles ...")
-    dep = Deployment(afd_spec, log=log)
-    dep.start(spec.ready_timeout_s)
-    try:
-        url, ffn_urls = dep.api_url, [p.url for p in dep.ffns]
-        served = _check_lengths(url, contexts, decode_tokens)
-        _warm(url, served, min(contexts))
-        for i, (c, b) in enumerate(grid, 1):
-            say(f"[{i}/{2 * len(grid)}] AFD 1A1F context {c} batch {b}")
-            afd_points.append(median_point([
-                measure_afd_point(url, ffn_urls, served, c, b, decode_tokens,
-                                  seed + 10 * k)
-                for k in range(repeats)
-            ]))  # fmt: skip
-    finally:
-        dep.stop()
+    with _afd(spec, 1, log, contexts, decode_tokens) as (url, ffn_urls, served):
+        points["afd"] = each("AFD 1A1F", lambda c, b, sd: measure_afd_point(
+            url, ffn_urls, served, c, b, decode_tokens, sd))  # fmt: skip
     split = log.split
     say("starting plain vLLM (colocated) ...")
     with PlainServer(spec, log=log) as plain:
         served = _check_lengths(plain.url, contexts, decode_tokens)
-        _warm(plain.url, served, min(contexts))
-        for i, (c, b) in enumerate(grid, len(grid) + 1):
-            say(f"[{i}/{2 * len(grid)}] plain vLLM context {c} batch {b}")
-            plain_points.append(median_point([
-                measure_plain_point(plain.url, served, c, b, decode_tokens,
-                                    seed + 10 * k)
-                for k in range(repeats)
-            ]))  # fmt: skip
+        _warm(plain.url, served, min(contexts), 2)
+        points["plain"] = each("plain vLLM", lambda c, b, sd: measure_plain_point(
+            plain.url, served, c, b, decode_tokens, sd))  # fmt: skip
+    if "shared" in phases:
+        say("starting AFD 2A1F to measure what sharing the cores costs ...")
+        with _afd(spec, 2, log, contexts, decode_tokens) as (url, _, served):
+            points["shared"] = each("AFD 2A1F", lambda c, b, sd: Point(
+                c, b, decode_step(url, served, 2 * b, c, decode_tokens, sd,
+                                  f"AFD 2A1F c={c} b={b}")))  # fmt: skip
     prof = build_profile(
-        afd_points, plain_points, platform, decode_tokens,
+        points["afd"], points["plain"], platform, decode_tokens,
+        shared=points.get("shared", ()),
         remote_layers=len(split["remote_layers"]) if split else 0,
         kv_attention=log.kv_of("attention"), kv_plain=log.kv_of("plain"),
     )  # fmt: skip
-    return prof, afd_points, plain_points
+    return prof, points
+
+
+@contextlib.contextmanager
+def _afd(
+    spec: DeploymentSpec, ranks: int, log: LogWatch, contexts: Sequence[int],
+    decode_tokens: int,
+) -> Iterator[tuple[str, list[str], str]]:  # fmt: skip
+    """A started ``ranks``A1F deployment: (API URL, FFN URLs, served model)."""
+    dep = Deployment(
+        dataclasses.replace(spec, attention_ranks=ranks, ffn_ranks=1, ubatches=1),
+        log=log,
+    )
+    dep.start(spec.ready_timeout_s)
+    try:
+        served = _check_lengths(dep.api_url, contexts, decode_tokens)
+        _warm(dep.api_url, served, min(contexts), 2 * ranks)
+        yield dep.api_url, [p.url for p in dep.ffns], served
+    finally:
+        dep.stop()
 
 
 def _own(p: Point) -> float:
@@ -252,13 +301,14 @@ def build_profile(
     platform: str,
     decode_tokens: int,
     *,
+    shared: Sequence[Point] = (),
     remote_layers: int,
     kv_attention: int | None,
     kv_plain: int | None,
 ) -> Profile:
     """The model's curves from measured points (pure)."""
     contexts = sorted({p.context for p in afd})
-    return Profile(
+    prof = Profile(
         platform=platform,
         remote_layers=remote_layers,
         decode_tokens=decode_tokens,
@@ -275,3 +325,17 @@ def build_profile(
         kv_tokens_attention=kv_attention,
         kv_tokens_colocated=kv_plain,
     )
+    if not shared:
+        return prof
+    # What a second attention rank on the same cores costs beyond its work:
+    # the measured 2A1F step less the model's sum without it.
+    no_share = dataclasses.replace(prof, sharing={})
+    sharing = {
+        c: Curve.of(
+            (p.batch, max(p.tpot_s - predict(no_share, Candidate(2, 1), c,
+                                             p.batch).step_s, 0.0))
+            for p in shared if p.context == c
+        )
+        for c in sorted({p.context for p in shared})
+    }  # fmt: skip
+    return dataclasses.replace(prof, sharing=sharing)
