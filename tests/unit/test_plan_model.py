@@ -156,6 +156,8 @@ def test_plan_flags_parse_and_reject_bad_lists() -> None:
         _args("--batch-sizes", "0,4")
     with pytest.raises(argparse.ArgumentTypeError, match="e.g. 1A1F"):
         plan_cli._topologies("2x1")
+    with pytest.raises(argparse.ArgumentTypeError, match="must be >= afd.num_ffn"):
+        plan_cli._topologies("1A2F")
 
 
 def test_plan_refuses_bad_input(tmp_path, capsys) -> None:
@@ -166,6 +168,11 @@ def test_plan_refuses_bad_input(tmp_path, capsys) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert plan_cli.run_plan(args) == 2
     assert "--devices=1 must be >= 2" in capsys.readouterr().err
+    args = _args("--check-topologies", "1A1F:2")
+    args.model = str(tmp_path)
+    if plan_cli._gpus() == 0:
+        assert plan_cli.run_plan(args) == 2
+        assert "micro-batches need CUDA" in capsys.readouterr().err
 
 
 def test_cache_key_changes_with_what_was_measured(tmp_path) -> None:

@@ -38,6 +38,8 @@ from vllm_afd.cli.plan_model import (
 )
 from vllm_afd.cli.plan_profile import LogWatch, Point, decode_step, profile
 from vllm_afd.config import DEFAULT_PORT
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.topology import Topology
 
 #: bumped when what the cache holds changes meaning
 CACHE_VERSION = 1
@@ -68,6 +70,12 @@ def _topologies(value: str) -> list[Candidate]:
                 f"--check-topologies takes e.g. 1A1F,2A1F,2A2F:2 (':m' micro-"
                 f"batches), got {item!r}"
             )
+        try:
+            Topology(int(a), int(f))
+        except AFDConfigError as e:
+            raise argparse.ArgumentTypeError(
+                f"--check-topologies {item}: {e}"
+            ) from None
         out.append(Candidate(int(a), int(f), int(m or 1)))
     return out
 
@@ -470,6 +478,15 @@ def run_plan(args: argparse.Namespace) -> int:
     if gpus >= 2 and devices > gpus:
         _note(f"--devices={devices} but {gpus} GPUs are visible; give at most {gpus}")
         return 2
+    for cand in args.check_topologies or []:
+        if platform == "cpu" and cand.ubatches > 1:
+            _note(f"--check-topologies {cand.name}: micro-batches need CUDA "
+                  "(vLLM's CPU runner has none); drop ':m'")  # fmt: skip
+            return 2
+        if gpus >= 2 and cand.devices > gpus:
+            _note(f"--check-topologies {cand.name} needs {cand.devices} GPUs, "
+                  f"{gpus} are visible")  # fmt: skip
+            return 2
     where = bench_report.provenance(["vllm-afd", *getattr(args, "argv", [])])
     key = cache_key(args, platform, where["device"])
     path = _cache_path(args, key)

@@ -134,7 +134,13 @@ def decode_step(
     step()
     t_long = _duration(url, served, long, what)
     step()
-    return max(t_long - t_short, 0.0) / (decode_tokens - SHORT)
+    if t_long <= t_short:
+        raise RuntimeError(
+            f"{what}: {decode_tokens} output tokens took no longer than {SHORT} "
+            f"({t_long:.3f}s vs {t_short:.3f}s): the machine is too noisy to time "
+            "decode steps; raise --decode-tokens or --repeats"
+        )
+    return (t_long - t_short) / (decode_tokens - SHORT)
 
 
 def measure_afd_point(
