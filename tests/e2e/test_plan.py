@@ -27,7 +27,7 @@ def _plan(model, out, *extra: str) -> subprocess.CompletedProcess:
     argv = [
         sys.executable, "-m", "vllm_afd.cli.main", "plan", str(model),
         *("--context-lens", "32,128", "--batch-sizes", "1,4"),
-        *("--decode-tokens", "12", "--devices", "3"),
+        *("--decode-tokens", "24", "--devices", "3"),
         *("--port", str(port), "--ffn-port", str(ffn_port)),
         *("--afd-port", str(afd_port), "--cache-dir", str(out / "cache")),
         *extra, "--", *ARGS,
