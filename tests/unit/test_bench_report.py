@@ -331,9 +331,9 @@ def test_model_facts_without_split_leaves_remote_layers_out(tmp_path):
 
 
 def test_log_tail_reads_the_attention_roles_split_line():
-    from vllm_afd.cli.bench import _LogTail
+    from vllm_afd.cli.bench import LogTail
 
-    tail = _LogTail(None)
+    tail = LogTail(None)
     tail.write(
         '[ffn] AFD ffn model: split {"remote_layers": [9]}; parameter '
         'bytes by group {"gate": 1}\n'

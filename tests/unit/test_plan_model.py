@@ -179,11 +179,13 @@ def test_cache_key_changes_with_what_was_measured(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     args = _args()
     args.model = str(tmp_path)
-    key = plan_cli.cache_key(args, "cpu", "cpu: x, 2 cores")
-    assert key == plan_cli.cache_key(args, "cpu", "cpu: x, 2 cores")
-    assert key != plan_cli.cache_key(args, "cpu", "cpu: x, 4 cores")
+    two, four = {"device": "cpu: x, 2 cores"}, {"device": "cpu: x, 4 cores"}
+    key = plan_cli.cache_key(args, "cpu", two)
+    assert key == plan_cli.cache_key(args, "cpu", two)
+    assert key != plan_cli.cache_key(args, "cpu", four)
+    assert key != plan_cli.cache_key(args, "cpu", {**two, "vllm": "0.33.0"})
     args.batch_sizes = [1, 2]
-    assert key != plan_cli.cache_key(args, "cpu", "cpu: x, 2 cores")
+    assert key != plan_cli.cache_key(args, "cpu", two)
 
 
 def test_placed_gives_each_rank_its_gpus() -> None:

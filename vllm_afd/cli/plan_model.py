@@ -192,7 +192,8 @@ class Prediction:
     """A predicted decode step (seconds) and its throughput.
 
     ``attention_s``/``comm_s``/``ffn_s`` are the parts as the model adds
-    them (before any overlap); ``step_s`` is the step.
+    them (before any overlap); ``step_s`` is the step; ``candidate`` the
+    deployment (None: the colocated baseline).
     """
 
     name: str
@@ -206,6 +207,7 @@ class Prediction:
     bound: Bound | None = None
     fits: bool = True
     why_not: str = ""
+    candidate: Candidate | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -234,7 +236,7 @@ def predict(profile: Profile, cand: Candidate, context: int, batch: int) -> Pred
     parts = {Bound.ATTENTION: a, Bound.COMMUNICATION: c, Bound.FFN: f}
     return Prediction(
         cand.name, context, batch, step, a, c, f, per_device,
-        bound=max(parts, key=parts.__getitem__),
+        bound=max(parts, key=parts.__getitem__), candidate=cand,
     )  # fmt: skip
 
 

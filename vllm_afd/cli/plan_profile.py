@@ -28,12 +28,11 @@ import dataclasses
 import re
 import statistics
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from vllm_afd.cli.bench import settled_counters
+from vllm_afd.cli.bench import LogTail, settled_counters
 from vllm_afd.cli.bench_workload import (
     Request,
     build_requests,
@@ -42,40 +41,24 @@ from vllm_afd.cli.bench_workload import (
 )
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
 from vllm_afd.cli.plan_model import Candidate, Curve, Profile, predict
-from vllm_afd.models.layout import parse_model_line
 
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
-class LogWatch:
-    """A log sink that remembers what ``plan`` reads from role logs: each
-    role's KV capacity and the attention role's model split."""
+class LogWatch(LogTail):
+    """The bench's log sink (last lines, the attention role's model split),
+    also remembering each role's KV capacity."""
 
-    def __init__(self, also: IO[str] | None = None) -> None:
-        self.also = also
+    def __init__(self, also: IO[str] | None = None, owned: bool = False) -> None:
+        super().__init__(also, owned)
         self.kv_tokens: dict[str, int] = {}
-        self.split: dict | None = None
-        self.tail: list[str] = []
-        self._lock = threading.Lock()
 
-    def write(self, text: str) -> int:
-        with self._lock:
-            self.tail = [*self.tail[-59:], text]
-            match = KV_LINE.search(text)
-            if match:
-                role = text.split("]", 1)[0].lstrip("[") if text.startswith("[") else ""
-                self.kv_tokens[role] = int(match.group(1).replace(",", ""))
-            if self.split is None and "AFD attention model: split" in text:
-                parsed = parse_model_line(text)
-                if parsed is not None:
-                    self.split = parsed[1]
-            if self.also is not None:
-                self.also.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        if self.also is not None:
-            self.also.flush()
+    def write(self, text: str) -> None:
+        match = KV_LINE.search(text)
+        if match:
+            role = text.split("]", 1)[0].lstrip("[") if text.startswith("[") else ""
+            self.kv_tokens[role] = int(match.group(1).replace(",", ""))
+        super().write(text)
 
     def kv_of(self, role: str) -> int | None:
         """The smallest KV capacity logged by a role whose prefix has ``role``."""
@@ -209,7 +192,8 @@ def _check_lengths(url: str, contexts: Sequence[int], decode_tokens: int) -> str
     return served
 
 
-def _warm(url: str, served: str, context: int, n: int) -> None:
+def warm_up(url: str, served: str, context: int, n: int) -> None:
+    """``n`` short unmeasured requests of ``context`` tokens at once."""
     reqs = _requests(url, served, context, n, 4, seed=97)
     run_requests("warm-up", url, served, reqs, concurrency=n, rate=None, seed=0,
                  progress=False)  # fmt: skip
@@ -257,7 +241,7 @@ def profile(
     say("starting plain vLLM (colocated) ...")
     with PlainServer(spec, log=log) as plain:
         served = _check_lengths(plain.url, contexts, decode_tokens)
-        _warm(plain.url, served, min(contexts), 2)
+        warm_up(plain.url, served, min(contexts), 2)
         points["plain"] = each("plain vLLM", lambda c, b, sd: measure_plain_point(
             plain.url, served, c, b, decode_tokens, sd))  # fmt: skip
     if "shared" in phases:
@@ -288,7 +272,7 @@ def _afd(
     dep.start(spec.ready_timeout_s)
     try:
         served = _check_lengths(dep.api_url, contexts, decode_tokens)
-        _warm(dep.api_url, served, min(contexts), 2 * ranks)
+        warm_up(dep.api_url, served, min(contexts), 2 * ranks)
         yield dep.api_url, [p.url for p in dep.ffns], served
     finally:
         dep.stop()
