@@ -102,7 +102,6 @@ def _ipc_plane(
     extra: dict[str, Any],
     limits: ExchangeLimits,
 ) -> DataPlane:
-
     from vllm_afd.connector.core import torch_dtype
     from vllm_afd.connector.ipc_data import CudaIpcDataPlane
     from vllm_afd.connector.ipc_layout import Shapes
