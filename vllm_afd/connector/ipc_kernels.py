@@ -6,7 +6,7 @@
       signal:  seq = ++sent[slot]
                release-store flag_peer[slot] = seq << SEQ_SHIFT | layer
                (| POISON when this endpoint already failed)
-    receiver (before reading the payload from its own buffer)
+    receiver (before reading the payload out of the shared buffer)
       wait:    want = ++seen[slot]; spin (acquire loads) until the flag's seq
                reaches want, the abort word is set, or timeout_ns passed
                (%globaltimer); a flag other than want << SEQ_SHIFT | layer
@@ -17,8 +17,10 @@ Counters live in device memory, so a captured CUDA graph replays with the
 right sequence numbers. A failed wait sets the endpoint's ``failed`` word
 (device memory; later signals then poison their flags, so the peer fails
 too) and the error record; the record and the abort word live in pinned host
-memory: the host reads and writes them without a device sync. Both kernels
-hold one SM while they run and none between exchanges.
+memory: the host reads and writes them without a device sync, and a wait
+that went well reads neither (a host read from the device costs about a
+microsecond). Both kernels hold one SM while they run and none between
+exchanges.
 
 Error record (int64): [code, slot, flag found, flag expected]; codes below.
 """
@@ -97,7 +99,7 @@ def wait_kernel(
     tl.store(seen_ptr, want)
     start = _now()
     got = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    aborted = tl.load(abort_ptr, volatile=True)
+    aborted = (got * 0).to(tl.int32)  # read after ABORT_EVERY spins
     elapsed = start - start
     i = 0
     while (
@@ -118,7 +120,8 @@ def wait_kernel(
     code = tl.where(~arrived & (aborted == 0), 1, code)
     bad = code != 0
     tl.store(failed_ptr, code.to(tl.int64), mask=bad)
-    keep = bad & (tl.load(record_ptr, volatile=True) == 0)
+    # masked: a wait that went well reads no host memory
+    keep = bad & (tl.load(record_ptr, mask=bad, other=1, volatile=True) == 0)
     tl.store(record_ptr + 1, slot, mask=keep)
     tl.store(record_ptr + 2, got, mask=keep)
     tl.store(record_ptr + 3, expect, mask=keep)
