@@ -144,7 +144,123 @@ def silent_ffn(sc: S.Scenario) -> dict[str, Any]:
     return {"ok": True}
 
 
+def _capture(conn: Any, n: int, x: torch.Tensor, outs: list[torch.Tensor]) -> Any:
+    """Warm up eagerly, then capture LAYERS round trips in one graph."""
+    conn.send_plan(StepPlan(0, ExecMode.WARMUP, (n,)))
+    for layer in range(LAYERS):
+        conn.send_a2f(layer, 0, x)
+        conn.recv_f2a(layer, 0, out=outs[layer])
+    conn.flush()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    conn.send_plan(StepPlan(1, ExecMode.CAPTURE, (n,)))
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            conn.send_a2f(layer, 0, x if layer == 0 else outs[layer - 1])
+            conn.recv_f2a(layer, 0, out=outs[layer])
+        conn.flush()
+    return graph
+
+
+def _replay_exact(conn: Any, graph: Any, step: int, x: torch.Tensor,
+                  outs: list[torch.Tensor]) -> None:  # fmt: skip
+    conn.send_plan(StepPlan(step, ExecMode.REPLAY, (x.shape[0],)))
+    x.copy_(torch.randn(x.shape).to(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    conn.check()
+    want = x
+    for layer in range(LAYERS):
+        want = S.ffn_fn(want, None, layer)
+        if not torch.equal(outs[layer], want):
+            raise AssertionError(f"replay {step} layer {layer} differs")
+
+
+def rejoin_attention(sc: S.Scenario) -> dict[str, Any]:
+    """The FFN process dies during a graph replay; a new one takes its place
+    and the graph captured with the first keeps replaying, exact."""
+    import threading
+
+    conn = S._connector(sc, "attention", 0)
+    conn.start()
+    lost = threading.Event()
+    conn.watch_peers(lambda why: lost.set())
+    n = 8
+    x = torch.zeros(n, sc.hidden, device="cuda", dtype=getattr(torch, sc.dtype))
+    outs = [torch.empty_like(x) for _ in range(LAYERS)]
+    graph = _capture(conn, n, x, outs)
+    for step in (2, 3):
+        _replay_exact(conn, graph, step, x, outs)
+    conn.send_plan(StepPlan(4, ExecMode.REPLAY, (n,)))
+    t0 = time.monotonic()
+    graph.replay()  # the FFN dies on this plan: the waits end at the abort
+    torch.cuda.synchronize()
+    ended = time.monotonic() - t0
+    if not lost.wait(30):
+        raise AssertionError("the FFN process died unnoticed")
+    try:
+        conn.check()
+    except AFDError as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError("a replay whose FFN died passed its check")
+    conn.close("rejoin: test")
+    conn = S._connector(sc, "attention", 0)
+    conn.start()  # the second FFN process
+    conn.resume()
+    for step in range(5, 5 + STEPS):
+        _replay_exact(conn, graph, step, x, outs)
+    conn.close()
+    return {"ok": True, "error": error, "ended_s": ended, "replays": STEPS}
+
+
+def _dying_ffn(sc: S.Scenario) -> None:
+    conn = S._connector(sc, "ffn", 0)
+    conn.start()
+    conn.recv_plan()  # warm-up: the attention exchanges eagerly
+    for layer in range(LAYERS):
+        batch = conn.recv_a2f(layer, 0)
+        conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
+    conn.flush()
+    conn.recv_plan()  # capture: recorded there, nothing is exchanged
+    for _ in range(2):  # two replays served, eagerly here
+        conn.recv_plan()
+        for layer in range(LAYERS):
+            batch = conn.recv_a2f(layer, 0)
+            conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
+        conn.flush()
+    conn.recv_plan()
+    conn.recv_a2f(0, 0)
+    torch.cuda.synchronize()
+    import os
+
+    os._exit(0)  # mid-step, no SHUTDOWN
+
+
+def rejoin_ffn(sc: S.Scenario) -> dict[str, Any]:
+    """A first FFN process that dies mid-step, then this one, eager (its
+    graph cache is empty: a REPLAY plan misses and is served eagerly)."""
+    ctx = S._context()
+    first = ctx.Process(target=_dying_ffn, args=(sc,))
+    first.start()
+    first.join(120)
+    if first.exitcode != 0:
+        return {"ok": False, "message": f"first ffn exited {first.exitcode}"}
+    conn = S._connector(sc, "ffn", 0)
+    conn.start()
+    served = 0
+    while conn.recv_plan() is not None:
+        for layer in range(LAYERS):
+            batch = conn.recv_a2f(layer, 0)
+            conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
+        conn.flush()
+        served += 1
+    conn.close()
+    return {"ok": True, "served": served}
+
+
 PROGRAMS = {
+    "rejoin": (rejoin_attention, rejoin_ffn),
     "graph": (graph_attention, graph_ffn),
     "desync": (desync_attention, desync_ffn),
     "timeout": (timeout_attention, silent_ffn),

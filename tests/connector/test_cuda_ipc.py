@@ -36,10 +36,10 @@ SHAPES = L.Shapes(
 
 
 # ------------------------------------------------------------------ CPU
-def test_ffn_layout_holds_every_slot_aligned_without_overlap():
-    lay = L.ffn_layout(SHAPES)
+def test_pair_layout_holds_every_slot_aligned_without_overlap():
+    lay = L.pair_layout(SHAPES)
     kinds = {(r.kind, r.ubatch) for r in lay.regions}
-    assert kinds == {(k, u) for k in Kind if k is not Kind.F2A for u in (0, 1)}
+    assert kinds == {(k, u) for k in Kind for u in (0, 1)}
     spans = sorted((r.offset, r.offset + r.nbytes) for r in lay.regions)
     assert spans[0][0] >= lay.num_slots * L.FLAG_BYTES  # flags come first
     assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
@@ -47,27 +47,22 @@ def test_ffn_layout_holds_every_slot_aligned_without_overlap():
     hidden = lay.region(Kind.A2F_HIDDEN, 1)
     assert hidden.nbytes == 100 * 64 * 2 and hidden.slot == 4
     assert lay.region(Kind.A2F_TOPK_IDS, 0).nbytes == 100 * 4 * 4
+    assert lay.region(Kind.F2A, 0).nbytes == 100 * 64 * 2 * 2  # output parts
     assert lay.nbytes >= spans[-1][1]
 
 
-def test_attention_layout_sizes_f2a_with_output_parts():
-    lay = L.attention_layout(SHAPES)
-    assert [r.kind for r in lay.regions] == [Kind.F2A, Kind.F2A]
-    assert lay.region(Kind.F2A, 0).nbytes == 100 * 64 * 2 * 2
-    with pytest.raises(AFDProtocolError, match="no cuda_ipc buffer for a2f_hidden"):
-        lay.region(Kind.A2F_HIDDEN, 0)
-
-
-def test_layout_without_gate_has_no_routing_regions():
-    lay = L.ffn_layout(L.Shapes(10, 1, 8, 4, 2, False))
-    assert [r.kind for r in lay.regions] == [Kind.A2F_HIDDEN]
+def test_pair_layout_without_gate_has_no_routing_regions():
+    lay = L.pair_layout(L.Shapes(10, 1, 8, 4, 2, False))
+    assert [r.kind for r in lay.regions] == [Kind.A2F_HIDDEN, Kind.F2A]
+    with pytest.raises(AFDProtocolError, match="no cuda_ipc buffer for a2f_topk_ids"):
+        lay.region(Kind.A2F_TOPK_IDS, 0)
 
 
 def test_setup_records_round_trip_through_the_wire():
     place = L.Place("h/boot", "GPU-1", True)
     offer = L.Offer(SHAPES, place, {"handle": "00ff", "nbytes": 3})
     assert L.Offer.from_wire(offer.to_wire()) == offer
-    answer = L.Answer(place, {"handle": "ab"})
+    answer = L.Answer(place)
     assert L.Answer.from_wire(answer.to_wire()) == answer
     with pytest.raises(AFDProtocolError, match="unreadable cuda_ipc setup record"):
         L.Offer.from_wire({"backend": "cuda_ipc"})
@@ -254,6 +249,24 @@ def test_cuda_ipc_exchanges_replay_from_cuda_graphs(copy):
     out = _run_pair("graph", sc)
     assert out["attention"].get("ok"), out
     assert out["ffn"].get("ok") and out["ffn"]["replays"] == 5, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy", ["ce", "sm"])
+def test_cuda_ipc_graphs_keep_replaying_across_an_ffn_restart(copy):
+    """The attention rank owns the buffers its graph points at: an FFN that
+    dies mid-replay fails that step (aborted), and a new FFN process serves
+    the same graph's later replays exactly, after resume()."""
+    sc = S.Scenario(
+        "p2p", S.free_port(), 1, 1, dtype="bfloat16", hidden=512, device="cuda",
+        timeout_s=20.0, options=_gpu_options(copy),
+    )  # fmt: skip
+    out = _run_pair("rejoin", sc, limit_s=240)
+    att = out["attention"]
+    assert att.get("ok"), out
+    assert "aborted" in att["error"] or "failed an exchange" in att["error"], att
+    assert att["ended_s"] < 15, att  # the abort, not the device timeout
+    assert out["ffn"].get("ok") and out["ffn"]["served"] == att["replays"], out
 
 
 @pytest.mark.gpu

@@ -446,3 +446,84 @@ class Collected:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+# ------------------------------------------------------------ faults
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def wait_for(cond, timeout: float, what: str) -> float:
+    """Poll ``cond`` until true; the seconds it took. Fails naming ``what``."""
+    import pytest
+
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+class Supervisor:
+    """``Deployment.supervise`` every 0.5 s on a thread, as ``launch`` runs it."""
+
+    def __init__(self, afd) -> None:
+        self.afd = afd
+        self.error: LaunchError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.afd.supervise()
+            except LaunchError as e:
+                self.error = e
+                return
+
+    def __enter__(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def stream_until_error(
+    url: str, model: str, first: threading.Event, out: dict, max_tokens: int = 400
+) -> None:
+    """Stream one long greedy completion; ``first`` is set at its first token,
+    ``out`` gets ``events``, ``ended`` (monotonic) and any ``exception``."""
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": "experts " * 20,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    events = []
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    events.append(json.loads(line[5:]))
+                    first.set()
+    except urllib.error.HTTPError as e:
+        out["exception"] = f"{e!r}: {e.read().decode(errors='replace')}"
+    except (urllib.error.URLError, OSError) as e:
+        out["exception"] = repr(e)
+    out["ended"] = time.monotonic()
+    out["events"] = events

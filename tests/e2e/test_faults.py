@@ -36,8 +36,10 @@ import urllib.request
 import pytest
 from harness import (
     FAULT_RESULTS,
+    Supervisor,
     assert_same_outputs,
     complete,
+    http_get,
     make_spec,
     plain_outputs,
     print_log_tail,
@@ -45,10 +47,11 @@ from harness import (
     run_workload,
     served_model,
     start,
+    stream_until_error,
+    wait_for,
 )
 
 from vllm_afd.cli.client import afd_metrics
-from vllm_afd.cli.launch import LaunchError
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -61,50 +64,6 @@ TEXTS = prompts(16)
 #: test_scale_out.py; token ids must be identical in every case
 ATOL = 1e-4
 ARGS = ["--dtype", "float32", "--enforce-eager"]
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
-def _wait(cond, timeout: float, what: str) -> float:
-    """Poll ``cond`` until true; the seconds it took. Fails naming ``what``."""
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-class Supervisor:
-    """``Deployment.supervise`` every 0.5 s on a thread, as ``launch`` runs it."""
-
-    def __init__(self, afd) -> None:
-        self.afd = afd
-        self.error: LaunchError | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                self.afd.supervise()
-            except LaunchError as e:
-                self.error = e
-                return
-
-    def __enter__(self) -> Supervisor:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
 
 def _start(model, a: int, f: int):
@@ -141,34 +100,6 @@ def _plain_of(model) -> list:
     return _plain[str(model)]
 
 
-def _stream_until_error(url: str, model: str, first: threading.Event, out: dict):
-    body = json.dumps(
-        {
-            "model": model,
-            "prompt": "experts " * 20,
-            "max_tokens": 400,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    req = urllib.request.Request(
-        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    events = []
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if line.startswith("data:") and line != "data: [DONE]":
-                    events.append(json.loads(line[5:]))
-                    first.set()
-    except (urllib.error.URLError, OSError) as e:
-        out["exception"] = repr(e)
-    out["ended"] = time.monotonic()
-    out["events"] = events
-
-
 def _requests_during(url: str, model: str, stop: threading.Event, seen: list):
     """Requests one after another until ``stop``: (status, completion)."""
     while not stop.is_set():
@@ -193,7 +124,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         # 1. SIGKILL mid-stream, restarted by the supervisor under load.
         first, outcome = threading.Event(), {}
         stream = threading.Thread(
-            target=_stream_until_error, args=(url, name, first, outcome)
+            target=stream_until_error, args=(url, name, first, outcome)
         )
         stream.start()
         assert first.wait(60), "no streamed token before the kill"
@@ -206,18 +137,20 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             assert outcome["ended"] - killed <= TIMEOUT_S
             last = outcome["events"][-1]
             assert "error" in last and len(outcome["events"]) < 400, last
-            _wait(lambda: _get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503")
+            wait_for(
+                lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503"
+            )
             figures["/health 503"] = time.monotonic() - killed
-            code, text = _get(f"{url}/health")
+            code, text = http_get(f"{url}/health")
             assert code == 503 and "ffn rank 0" in text, text
             stop, seen = threading.Event(), []
             load = threading.Thread(
                 target=_requests_during, args=(url, name, stop, seen)
             )
             load.start()
-            ffn_up = _wait(afd.ffn.healthy, RECOVER_S, "the restarted FFN rank")
-            rejoined = _wait(
-                lambda: _get(f"{url}/health")[0] == 200, 30, "attention /health 200"
+            ffn_up = wait_for(afd.ffn.healthy, RECOVER_S, "the restarted FFN rank")
+            rejoined = wait_for(
+                lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
             )
             time.sleep(1.0)  # a few requests after the rejoin
             stop.set()
@@ -247,11 +180,11 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         # 2. SIGSTOP: the heartbeat finds it; other weights are refused.
         stopped = time.monotonic()
         os.killpg(afd.ffn.proc.pid, signal.SIGSTOP)
-        seen_down = _wait(
-            lambda: _get(f"{url}/health")[0] == 503, TIMEOUT_S + 2, "/health 503"
+        seen_down = wait_for(
+            lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S + 2, "/health 503"
         )
         figures["hung FFN detected"] = seen_down
-        assert "heartbeat" in _get(f"{url}/health")[1]
+        assert "heartbeat" in http_get(f"{url}/health")[1]
         os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
         afd.ffn.proc.wait(30)
         right_argv = list(afd.ffn.argv)
@@ -263,26 +196,30 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             )
             afd.ffn.argv = [str(other) if x == str(model) else x for x in right_argv]
             afd.ffn.start(log)
-            _wait(lambda: afd.ffn.exit_code() is not None, RECOVER_S, "the refused FFN")
-            _wait(lambda: "model_digest" in _attention_lines(log), 30, "the refusal")
-            assert _get(f"{url}/health")[0] == 503
+            wait_for(
+                lambda: afd.ffn.exit_code() is not None, RECOVER_S, "the refused FFN"
+            )
+            wait_for(lambda: "model_digest" in _attention_lines(log), 30, "the refusal")
+            assert http_get(f"{url}/health")[0] == 503
             afd.ffn.argv = right_argv
         afd.ffn.start(log)
-        _wait(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
-        _wait(lambda: _get(f"{url}/health")[0] == 200, 30, "attention /health 200")
+        wait_for(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
+        wait_for(
+            lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
+        )
         figures["recovered after SIGSTOP"] = time.monotonic() - stopped
         assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=ATOL)
         assert afd.attention.proc.pid == attention_pid
-        status = json.loads(_get(f"{url}/afd/status")[1])
+        status = json.loads(http_get(f"{url}/afd/status")[1])
         assert status["ready"] and len(status["ranks"]) == a
         assert all(r["losses"] == 2 and r["rejoins"] == 2 for r in status["ranks"])
 
         # 3. Attention SIGKILL: the FFN server stops by itself (its peers are
         # gone without SHUTDOWN), the supervisor stops the rest, saying why.
         os.killpg(afd.attention.proc.pid, signal.SIGKILL)
-        _wait(lambda: afd.ffn.exit_code() is not None, 60, "the FFN to stop")
+        wait_for(lambda: afd.ffn.exit_code() is not None, 60, "the FFN to stop")
         with Supervisor(afd) as supervisor:
-            _wait(lambda: supervisor.error is not None, 60, "the supervisor to stop")
+            wait_for(lambda: supervisor.error is not None, 60, "the supervisor to stop")
         assert "cannot rejoin" in str(supervisor.error)
         assert all(p.exit_code() is not None for p in afd.processes)
     except BaseException:
@@ -297,7 +234,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
 
 def _prefix_cache_hits(url: str) -> float:
     """vLLM's prefix-cache hits (tokens), summed over the engines."""
-    text = _get(f"{url}/metrics")[1]
+    text = http_get(f"{url}/metrics")[1]
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -335,14 +272,16 @@ def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
         with Supervisor(afd) as supervisor:
             killed = time.monotonic()
             os.killpg(ffn1.proc.pid, signal.SIGKILL)
-            _wait(lambda: _get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503")
+            wait_for(
+                lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503"
+            )
             figures["/health 503"] = time.monotonic() - killed
-            code, text = _get(f"{url}/v1/models")
+            code, text = http_get(f"{url}/v1/models")
             assert code == 200  # GET routes stay
             # ffn rank 1's attention peer goes down. Each API server
             # process reads the ranks' state on its own (cached 0.1 s), so
             # /afd/status may answer from another process a moment later.
-            _wait(
+            wait_for(
                 lambda: any(
                     r["attention_rank"] == 1 and not r["up"]
                     for r in _status(url)["ranks"]
@@ -350,14 +289,14 @@ def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
                 5,
                 "attention rank 1 down in /afd/status",
             )
-            _wait(
+            wait_for(
                 lambda: all(not r["up"] for r in _status(url)["ranks"]),
                 TIMEOUT_S + 5,
                 "every attention rank to pause",
             )
             figures["every rank paused"] = time.monotonic() - killed
-            _wait(ffn1.healthy, RECOVER_S, "the restarted ffn rank 1")
-            _wait(lambda: _status(url)["ready"], 60, "every rank to rejoin")
+            wait_for(ffn1.healthy, RECOVER_S, "the restarted ffn rank 1")
+            wait_for(lambda: _status(url)["ready"], 60, "every rank to rejoin")
             figures["rejoined"] = time.monotonic() - killed
             assert supervisor.error is None, supervisor.error
         assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=ATOL)
@@ -367,7 +306,7 @@ def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
         # stops by itself, cleanly.
         afd.attention.stop(timeout=60)
         for ffn in (ffn0, ffn1):
-            _wait(lambda f=ffn: f.exit_code() is not None, 60, f"{ffn.name} to stop")
+            wait_for(lambda f=ffn: f.exit_code() is not None, 60, f"{ffn.name} to stop")
             assert ffn.exit_code() == 0, ffn.name
     finally:
         afd.stop()
@@ -378,4 +317,4 @@ def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
 
 
 def _status(url: str) -> dict:
-    return json.loads(_get(f"{url}/afd/status")[1])
+    return json.loads(http_get(f"{url}/afd/status")[1])

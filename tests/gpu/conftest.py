@@ -78,7 +78,8 @@ def mps() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def gpu_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny bf16 DeepSeek-V2 and -V3 with the head dims vLLM's SM90 MLA needs."""
+    """Tiny bf16 checkpoints: DeepSeek-V2 and -V3 with the head dims vLLM's
+    SM90 MLA needs, Qwen3-MoE and Mixtral."""
     if missing_requirement(1) is not None:
         pytest.skip(missing_requirement(1))
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
@@ -86,7 +87,11 @@ def gpu_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     root = tmp_path_factory.mktemp("tiny-gpu")
     return {
         arch: write_tiny_checkpoint(
-            root / arch, arch=arch, num_layers=4, gpu_dims=True, dtype="bfloat16"
+            root / arch,
+            arch=arch,
+            num_layers=4,
+            gpu_dims=arch.startswith("deepseek"),
+            dtype="bfloat16",
         )
-        for arch in ("deepseek_v2", "deepseek_v3")
+        for arch in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
     }

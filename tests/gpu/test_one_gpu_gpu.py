@@ -2,7 +2,8 @@
 
 Attention and FFN role processes on GPU 0 (with both device lists naming it,
 the launcher asks for cuda_ipc), each with a fixed KV cache; tiny bf16
-DeepSeek-V2 and -V3, eager and with FULL CUDA graphs for decode. 16 prompts,
+DeepSeek-V2 and -V3, eager and with FULL CUDA graphs for decode, and tiny
+Qwen3-MoE and Mixtral with FULL CUDA graphs (the generic role split). 16 prompts,
 token-for-token against plain vLLM on the same GPU.
 """
 
@@ -21,8 +22,14 @@ EAGER = ONE_GPU_ARGS
 GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
 
 
-@pytest.mark.parametrize("mode", ["eager", "full-decode-graphs"])
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+CASES = [
+    (arch, mode)
+    for arch in ("deepseek_v2", "deepseek_v3")
+    for mode in ("eager", "full-decode-graphs")
+] + [(arch, "full-decode-graphs") for arch in ("qwen3_moe", "mixtral")]
+
+
+@pytest.mark.parametrize(("arch", "mode"), CASES)
 def test_afd_1a1f_on_one_gpu_equals_plain_vllm(
     gpu_tiny_models: dict[str, Path], tmp_path: Path, arch: str, mode: str, mps: None
 ) -> None:

@@ -184,6 +184,20 @@ class AFDConnector(ConnectorCore):
         if self._tokens is not None:
             self._account_graph_step(self._tokens)
 
+    @property
+    def bounded_wait(self) -> bool:
+        """A wait for a gone peer ends within ``timeout_s`` on this data
+        plane, also inside a CUDA graph replay (so a step can fail instead
+        of hanging; NCCL cannot)."""
+        return self._data.capabilities.bounded_wait
+
+    def resume(self) -> None:
+        """Attention, after a rejoin: make the data plane's kept device state
+        new before the first step on this connector; no step may run
+        meanwhile (``worker.ffn_link`` holds its step lock)."""
+        self._check(ATT, "resume")
+        self._data.resume()
+
     def watch_peers(self, on_lost: Callable[[str], None]) -> None:
         """Call ``on_lost(message)`` once, from a thread, when the serving FFN
         rank shuts down or dies; the message names the peer and why.

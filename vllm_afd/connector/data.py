@@ -43,6 +43,10 @@ Implementor's contract:
   thread: device-side waits end at once (with an error ``check`` reports).
 * ``capabilities`` says what the plane guarantees (:class:`Capabilities`);
   config validation checks it against the CUDA-graph mode.
+* ``resume()`` is called once, by an attention rank that rejoined an FFN
+  rank, after ``start`` and before the first step on this plane, while no
+  step runs: a plane that keeps device state across planes of one process
+  (cuda_ipc: what CUDA graphs point at) makes it new there.
 """
 
 from __future__ import annotations
@@ -116,6 +120,9 @@ class DataPlane(ABC):
 
     def abort(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """End every device-side wait now; any thread."""
+
+    def resume(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Before the first step after a rejoin (see the contract)."""
 
     @abstractmethod
     def start(self, rendezvous: Rendezvous) -> None:

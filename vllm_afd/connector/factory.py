@@ -135,7 +135,7 @@ _SPECS: tuple[ConnectorSpec, ...] = (
             "ipc_copy": Option(
                 str,
                 "ce",
-                "cuda_ipc: how a send moves its payload into the peer's buffer: "
+                "cuda_ipc: how a send moves its payload into the shared buffer: "
                 "ce (a device copy, then a flag kernel) or sm (one Triton kernel "
                 "copies and stores the flag)",
                 ("ce", "sm"),

@@ -1,21 +1,27 @@
 """The ``cuda_ipc`` data plane: same-host CUDA tensors through shared buffers.
 
-Each receiving endpoint allocates, at the handshake, one buffer per peer
-(``ipc_layout``) and hands the peer its CUDA IPC handle in the SETUP record;
-the peer opens it. A send moves the payload into the peer's buffer and then
-stores a sequence number in the slot's flag: ``ipc_copy: ce`` is a
-device-to-device copy on the current stream followed by
-``ipc_kernels.signal_kernel``, ``sm`` one Triton kernel that does both
-(``copy_signal_kernel``). A receive's wait spins on its own flag on the
-device (``wait_kernel``) and then copies the payload out into the caller's
-tensor. Everything is stream-ordered and
-capturable in a CUDA graph; no host sync per layer.
+Each attention rank owns one buffer per FFN peer (``ipc_layout.pair_layout``)
+and hands the FFN rank its CUDA IPC handle in the SETUP record; the FFN rank
+opens it. Both directions live in that buffer: a send moves the payload into
+its region and then stores a sequence number in the slot's flag (``ipc_copy:
+ce`` a device-to-device copy followed by ``ipc_kernels.signal_kernel``, ``sm``
+one Triton kernel that does both); a receive spins on the slot's flag on the
+device (``wait_kernel``, one program) and then copies the payload out into
+the caller's tensor.
+Everything is stream-ordered and capturable in a CUDA graph; no host sync per
+layer.
 
 Failures surface on the device: a wait ends after ``timeout_s`` (device
 clock), at :meth:`abort`, or on a sequence number it did not expect, writes an
 error record in pinned host memory and marks the endpoint failed, after which
 its sends poison their flags so the peer fails in the same step. ``check``
 (once per step, by the facade) turns the record into an exception.
+
+An FFN rank that dies and comes back (``worker.ffn_link``): the attention
+rank's buffers, counters and error words are kept for the life of the
+process (:class:`_Kept`), so the CUDA graphs it captured, which point at
+them, stay valid; the next plane of that process reuses them and
+:meth:`CudaIpcDataPlane.resume` zeroes them while no step runs.
 
 Both roles on one GPU need MPS (``ipc_layout.check_pair``); across GPUs of one
 host the IPC mapping uses peer access.
@@ -24,6 +30,7 @@ host the IPC mapping uses peer access.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,6 +121,13 @@ class _Done(Work):
 _DONE = _Done()
 
 
+def _words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte views as int32 where both allow it (four times fewer elements)."""
+    if src.numel() % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0:
+        return src.view(torch.int32), dst.view(torch.int32)
+    return src, dst
+
+
 class _Recv(Work):
     __slots__ = ("_plane", "_peer", "_region", "_layer", "_dest")
 
@@ -124,6 +138,57 @@ class _Recv(Work):
 
     def wait(self, timeout_s: float) -> None:
         self._plane._wait(self._peer, self._region, self._layer, self._dest, timeout_s)
+
+
+class _Kept:
+    """What an attention rank's CUDA graphs point at: one per process and
+    (device, peers, layout), reused by every plane after the first."""
+
+    def __init__(
+        self, device: torch.device, peers: int, lay: layout.Layout | None
+    ) -> None:
+        # torch.zeros: every flag starts at 0 (nothing sent yet)
+        self.buffers = [
+            torch.zeros(lay.nbytes, dtype=torch.uint8, device=device)
+            for _ in range(peers if lay is not None else 0)
+        ]
+        self.busy = True  # a plane uses it
+        slots = layout.KINDS * 8
+        # [peer, 0 = sent / 1 = seen, slot]
+        self.seq = torch.zeros((peers, 2, slots), dtype=torch.int64, device=device)
+        self.failed = torch.zeros(1, dtype=torch.int64, device=device)
+        # sm copies: how many programs of a send or receive finished
+        self.tickets = torch.zeros((peers, slots), dtype=torch.int32, device=device)
+        self.record = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+        self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+
+    def reset(self, flag_bytes: int) -> None:
+        """Everything back to 'nothing exchanged yet' (no step may run)."""
+        for buf in self.buffers:
+            buf[:flag_bytes].zero_()
+        self.seq.zero_()
+        self.failed.zero_()
+        self.tickets.zero_()
+        self.record.zero_()
+
+
+_KEPT: dict[tuple[Any, ...], list[_Kept]] = {}
+_KEPT_LOCK = threading.Lock()
+
+
+def _kept_for(
+    device: torch.device, peers: tuple[int, ...], lay: layout.Layout
+) -> _Kept:
+    """A kept set no open plane uses (made on first need)."""
+    with _KEPT_LOCK:
+        sets = _KEPT.setdefault((str(device), peers, lay), [])
+        for kept in sets:
+            if not kept.busy:
+                kept.busy = True
+                return kept
+        kept = _Kept(device, len(peers), lay)
+        sets.append(kept)
+        return kept
 
 
 class CudaIpcDataPlane(DataPlane):
@@ -162,21 +227,21 @@ class CudaIpcDataPlane(DataPlane):
             layout.mps_active(),
         )
         n = len(peers)
-        self._local: list[torch.Tensor | None] = [None] * n  # we receive into
-        self._local_layout: list[layout.Layout | None] = [None] * n
-        self._remote: list[torch.Tensor | None] = [None] * n  # we write into
-        self._remote_layout: list[layout.Layout | None] = [None] * n
-        slots = layout.KINDS * 8
-        # [peer, 0 = sent / 1 = seen, slot]
-        self._seq = torch.zeros((n, 2, slots), dtype=torch.int64, device=device)
-        self._failed = torch.zeros(1, dtype=torch.int64, device=device)
-        # sm copy: how many programs of a send finished ([peer, slot])
-        self._tickets = torch.zeros((n, slots), dtype=torch.int32, device=device)
-        self._record = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-        self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        # the pair buffers: attention's own, or the attention peers' (ffn)
+        self._buf: list[torch.Tensor | None] = [None] * n
+        self._layout: list[layout.Layout | None] = [None] * n
+        if role is AFDRole.ATTENTION:
+            lay = layout.pair_layout(shapes)
+            kept = _kept_for(device, peers, lay)
+            self._layout = [lay] * n
+        else:
+            kept = _Kept(device, n, None)
+        self._kept = kept
+        self._seq, self._failed, self._tickets = kept.seq, kept.failed, kept.tickets
+        self._record, self._abort = kept.record, kept.abort
         self._record_arg, self._abort_arg = _Pinned(self._record), _Pinned(self._abort)
-        self._flags: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending_open: dict[int, dict[str, Any]] = {}  # ffn: peers' buffers
+        self._flags: dict[tuple[int, int], torch.Tensor] = {}
+        self._offers: dict[int, dict[str, Any]] = {}  # ffn: peers' buffers
         self._reported = False
         self._closed = False
         from vllm_afd.connector import ipc_kernels
@@ -184,28 +249,19 @@ class CudaIpcDataPlane(DataPlane):
         self._k = ipc_kernels
 
     # ------------------------------------------------------------ handshake
-    def _alloc(self, i: int, lay: layout.Layout) -> dict[str, Any]:
-        # torch.zeros: every flag starts at 0 (nothing sent yet)
-        buf = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self._device)
-        self._local[i], self._local_layout[i] = buf, lay
-        return share(buf)
-
     def setup(self, peer: int, theirs: Mapping[str, Any] | None) -> dict[str, Any]:
         if self._role is AFDRole.ATTENTION:
-            lay = layout.attention_layout(self._shapes)
-            rec = self._alloc(peer, lay)
-            self._remote_layout[peer] = layout.ffn_layout(self._shapes)
-            return layout.Offer(self._shapes, self._place, rec).to_wire()
+            buf = self._kept.buffers[peer]
+            return layout.Offer(self._shapes, self._place, share(buf)).to_wire()
         assert theirs is not None
         check_backend(self.backend, theirs)
         offer = layout.Offer.from_wire(dict(theirs))
         who = f"attention peer {peer} and this ffn rank"
         layout.check_shapes(self._shapes, offer.shapes, who)
         layout.check_pair(self._place, offer.place, who, self._allow_slicing)
-        rec = self._alloc(peer, layout.ffn_layout(offer.shapes))
-        self._remote_layout[peer] = layout.attention_layout(offer.shapes)
-        self._pending_open[peer] = offer.buffer
-        return layout.Answer(self._place, rec).to_wire()
+        self._layout[peer] = layout.pair_layout(offer.shapes)
+        self._offers[peer] = offer.buffer
+        return layout.Answer(self._place).to_wire()
 
     def start(self, rendezvous: Rendezvous) -> None:
         if len(rendezvous.peer_blobs) != len(self._peers):
@@ -218,25 +274,33 @@ class CudaIpcDataPlane(DataPlane):
                 answer = layout.Answer.from_wire(dict(blob))
                 layout.check_pair(self._place, answer.place, "this attention rank "
                                   "and its ffn rank", self._allow_slicing)  # fmt: skip
-                record = answer.buffer
-            else:
-                record = self._pending_open[i]
-            remote = open_shared(record, self._device)
-            lay = self._remote_layout[i]
+                self._buf[i] = self._kept.buffers[i]
+                continue
+            buf = open_shared(self._offers[i], self._device)
+            lay = self._layout[i]
             assert lay is not None
-            if remote.numel() < lay.nbytes:
+            if buf.numel() < lay.nbytes:
                 raise AFDProtocolError(
-                    f"the peer's cuda_ipc buffer holds {remote.numel()} bytes, "
-                    f"{lay.nbytes} expected"
+                    f"the attention peer's cuda_ipc buffer holds {buf.numel()} "
+                    f"bytes, {lay.nbytes} expected"
                 )
-            self._remote[i] = remote
-        sizes = [f"{b.numel() / 2**20:.1f} MiB" for b in self._local if b is not None]
+            self._buf[i] = buf
+        sizes = [f"{b.numel() / 2**20:.1f} MiB" for b in self._buf if b is not None]
         logger.info(
-            "AFD cuda_ipc data plane: %d peer buffer(s) of %s, max_tokens=%d, "
-            "gpu %s, MPS %s", len(self._peers), ", ".join(sizes),
+            "AFD cuda_ipc data plane: %d pair buffer(s) of %s, max_tokens=%d, "
+            "gpu %s, MPS %s, %s copies", len(self._peers), ", ".join(sizes),
             self._shapes.max_tokens, self._place.gpu,
-            "on" if self._place.mps else "off",
+            "on" if self._place.mps else "off", "sm" if self._sm_copy else "ce",
         )  # fmt: skip
+
+    def resume(self) -> None:
+        """Zero the kept counters, flags and error words, and clear the
+        abort word, once the device finished every step of the last plane;
+        the caller runs no step meanwhile (``worker.ffn_link``)."""
+        torch.cuda.synchronize(self._device)
+        self._kept.reset(self._flag_bytes())
+        torch.cuda.synchronize(self._device)
+        self._abort[0] = 0
 
     # ------------------------------------------------------------- transfers
     def _slot(self, tag: int) -> tuple[int, int, int]:
@@ -247,71 +311,69 @@ class CudaIpcDataPlane(DataPlane):
             (tag >> LAYER_SHIFT) & (MAX_LAYERS - 1),
         )
 
-    def _flag_views(self, i: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(remote flag, local flag) of peer ``i``'s ``slot`` as int64 views."""
-        views = self._flags.get((i, slot))
-        if views is None:
-            remote, local = self._remote[i], self._local[i]
-            assert remote is not None and local is not None
-            n = layout.FLAG_BYTES * layout.KINDS * 8
-            views = (
-                remote[:n].view(torch.int64)[slot : slot + 1],
-                local[:n].view(torch.int64)[slot : slot + 1],
-            )
-            self._flags[(i, slot)] = views
-        return views
+    def _flag_bytes(self) -> int:
+        return layout.FLAG_BYTES * layout.KINDS * 8
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+    def _flag(self, i: int, slot: int) -> torch.Tensor:
+        """Peer ``i``'s ``slot`` flag as an int64 view of the pair buffer."""
+        flag = self._flags.get((i, slot))
+        if flag is None:
+            buf = self._buf[i]
+            assert buf is not None
+            flag = buf[: self._flag_bytes()].view(torch.int64)[slot : slot + 1]
+            self._flags[(i, slot)] = flag
+        return flag
+
+    def _region(self, peer: int, tag: int) -> tuple[int, layout.Region, int]:
+        """(peer index, region, layer) of an exchange with ``peer``."""
         i = self._index[peer]
         kind, ubatch, layer = self._slot(tag)
-        lay, remote = self._remote_layout[i], self._remote[i]
-        if remote is None or lay is None:
+        lay = self._layout[i]
+        if self._buf[i] is None or lay is None:
             raise AFDConnectorError("the cuda_ipc data plane is not started or closed")
-        region = lay.region(kind, ubatch)
+        return i, lay.region(kind, ubatch), layer
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        i, region, layer = self._region(peer, tag)
         src = tensor.view(-1).view(torch.uint8)
         n = src.numel()
         if n > region.nbytes:
             raise AFDConnectorError(
-                f"{Kind(kind).name.lower()} of {n} bytes exceeds the {region.nbytes}"
-                f"-byte cuda_ipc buffer sized at the handshake (max_tokens="
-                f"{self._shapes.max_tokens}); the step has more tokens than vLLM's "
-                "max_num_batched_tokens"
+                f"{region.kind.name.lower()} of {n} bytes exceeds the "
+                f"{region.nbytes}-byte cuda_ipc buffer sized at the handshake "
+                f"(max_tokens={self._shapes.max_tokens}); the step has more "
+                "tokens than vLLM's max_num_batched_tokens"
             )
-        dst = remote[region.offset : region.offset + n]
-        flag, _ = self._flag_views(i, region.slot)
+        buf = self._buf[i]
+        assert buf is not None
+        dst = buf[region.offset : region.offset + n]
+        flag = self._flag(i, region.slot)
+        sent = self._seq[i, 0, region.slot : region.slot + 1]
         if self._sm_copy:
-            self._copy_signal(src, dst, flag, i, region.slot, layer)
+            src, dst = _words(src, dst)
+            n = src.numel()
+            self._k.copy_signal_kernel[(max(1, -(-n // _SM_BLOCK)),)](
+                src, dst, n, flag, sent, self._failed,
+                self._tickets[i, region.slot : region.slot + 1], layer,
+                BLOCK=_SM_BLOCK, POISON_BIT=self._k.POISON,
+                SEQ_SHIFT=self._k.SEQ_SHIFT,
+            )  # fmt: skip
             return _DONE
         dst.copy_(src)
         self._k.signal_kernel[(1,)](
-            flag, self._seq[i, 0, region.slot:region.slot + 1], self._failed,
-            layer, POISON_BIT=self._k.POISON, SEQ_SHIFT=self._k.SEQ_SHIFT,
+            flag, sent, self._failed, layer, POISON_BIT=self._k.POISON,
+            SEQ_SHIFT=self._k.SEQ_SHIFT,
         )  # fmt: skip
         return _DONE
 
-    def _copy_signal(self, src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor,
-                     i: int, slot: int, layer: int) -> None:  # fmt: skip
-        if src.numel() % 4 == 0 and src.data_ptr() % 4 == 0:
-            src, dst = src.view(torch.int32), dst.view(torch.int32)
-        n = src.numel()
-        self._k.copy_signal_kernel[(max(1, -(-n // _SM_BLOCK)),)](
-            src, dst, n, flag, self._seq[i, 0, slot : slot + 1], self._failed,
-            self._tickets[i, slot : slot + 1], layer, BLOCK=_SM_BLOCK,
-            POISON_BIT=self._k.POISON, SEQ_SHIFT=self._k.SEQ_SHIFT,
-        )  # fmt: skip
-
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        i = self._index[peer]
-        kind, ubatch, layer = self._slot(tag)
-        lay = self._local_layout[i]
-        if lay is None or self._local[i] is None:
-            raise AFDConnectorError("the cuda_ipc data plane is not started or closed")
-        return _Recv(self, i, lay.region(kind, ubatch), layer, tensor)
+        i, region, layer = self._region(peer, tag)
+        return _Recv(self, i, region, layer, tensor)
 
     def _wait(self, i: int, region: layout.Region, layer: int,
               dest: torch.Tensor, timeout_s: float) -> None:  # fmt: skip
-        local = self._local[i]
-        if local is None:
+        buf = self._buf[i]
+        if buf is None:
             raise AFDConnectorError("the cuda_ipc data plane is closed")
         out = dest.view(-1).view(torch.uint8)
         n = out.numel()
@@ -328,14 +390,15 @@ class CudaIpcDataPlane(DataPlane):
         # compiles one kernel per argument type, and a graph capture must not
         # meet a kernel its eager warm-up did not compile.
         timeout_ns = max(timeout_ns, _MIN_TIMEOUT_NS)
-        _, flag = self._flag_views(i, region.slot)
-        self._k.wait_kernel[(1,)](
-            flag, self._seq[i, 1, region.slot:region.slot + 1], self._failed,
-            self._record_arg, self._abort_arg, timeout_ns, region.slot, layer,
-            POISON_BIT=self._k.POISON, SEQ_SHIFT=self._k.SEQ_SHIFT,
-            ABORT_EVERY=_ABORT_EVERY,
+        flag = self._flag(i, region.slot)
+        seen = self._seq[i, 1, region.slot : region.slot + 1]
+        k = self._k
+        k.wait_kernel[(1,)](
+            flag, seen, self._failed, self._record_arg, self._abort_arg,
+            timeout_ns, region.slot, layer, POISON_BIT=k.POISON,
+            SEQ_SHIFT=k.SEQ_SHIFT, ABORT_EVERY=_ABORT_EVERY,
         )  # fmt: skip
-        out.copy_(local[region.offset : region.offset + n])
+        out.copy_(buf[region.offset : region.offset + n])
 
     # ---------------------------------------------------------------- errors
     def check(self) -> None:
@@ -378,5 +441,7 @@ class CudaIpcDataPlane(DataPlane):
             return
         self._closed = True
         self.abort()  # any wait still spinning ends now
-        self._remote = [None] * len(self._peers)
+        self._buf = [None] * len(self._peers)  # attention: _KEPT keeps its own
         self._flags.clear()
+        with _KEPT_LOCK:
+            self._kept.busy = False  # the next plane of this process takes it

@@ -3,17 +3,23 @@
 Dimensions: N ``max_tokens`` (the most tokens an attention rank puts in one
 ubatch), H hidden size, K top-k, P ``moe_output_parts``, U ubatches.
 
-Every receiving endpoint keeps one device buffer per peer, allocated at the
-handshake and shared with that peer by a CUDA IPC handle; the peer writes
-into it. A buffer starts with one int64 flag per slot, then the slots'
-regions, each aligned to :data:`ALIGN` bytes::
+Every attention rank owns one device buffer per FFN peer, allocated once per
+process and shared with the FFN rank by a CUDA IPC handle at the handshake:
+the attention rank writes A2F into it and waits there for F2A; the FFN rank
+opens it, waits there for A2F and writes F2A into it. A buffer starts with
+one int64 flag per slot, then the slots' regions, each aligned to
+:data:`ALIGN` bytes::
 
-    attention rank's buffer (from its ffn rank)    ffn rank's buffer (per peer)
-    flags [U * 4] int64                            flags [U * 4] int64
-    f2a   ubatch 0: [N, H * P] dtype               a2f hidden ubatch 0: [N, H]
-    f2a   ubatch 1 ...                             topk_weights: [N, K] f32  (gate)
-                                                   topk_ids:     [N, K] i32  (gate)
-                                                   ... ubatch 1
+    attention rank's buffer for one FFN rank
+    flags [U * 4] int64
+    ubatch 0:  a2f hidden   [N, H]      dtype
+               topk_weights [N, K]      f32    (gate on attention)
+               topk_ids     [N, K]      i32    (gate on attention)
+               f2a          [N, H * P]  dtype
+    ubatch 1 ...
+
+Because the attention rank owns every byte its CUDA graphs touch, a
+restarted FFN rank maps the same memory again and the graphs stay valid.
 
 A slot is (kind, ubatch): ``slot = ubatch * 4 + kind``. The sender counts its
 writes per slot and stores the count in the slot's flag after the data; the
@@ -120,20 +126,16 @@ def _layout(shapes: Shapes, kinds: list[tuple[Kind, int]]) -> Layout:
     return Layout(shapes.ubatches, tuple(regions), offset)
 
 
-def attention_layout(shapes: Shapes) -> Layout:
-    """The buffer an attention rank receives F2A into."""
-    cols = shapes.hidden * shapes.moe_output_parts
-    return _layout(shapes, [(Kind.F2A, cols * shapes.itemsize)])
-
-
-def ffn_layout(shapes: Shapes) -> Layout:
-    """The buffer an FFN rank receives one attention peer's A2F into."""
+def pair_layout(shapes: Shapes) -> Layout:
+    """The buffer an attention rank shares with one FFN rank."""
     kinds = [(Kind.A2F_HIDDEN, shapes.hidden * shapes.itemsize)]
     if shapes.gate:
         kinds += [
             (Kind.A2F_TOPK_WEIGHTS, shapes.top_k * 4),
             (Kind.A2F_TOPK_IDS, shapes.top_k * 4),
         ]
+    cols = shapes.hidden * shapes.moe_output_parts
+    kinds.append((Kind.F2A, cols * shapes.itemsize))
     return _layout(shapes, kinds)
 
 
@@ -198,7 +200,8 @@ def check_pair(mine: Place, theirs: Place, who: str, allow_time_slicing: bool) -
 
 @dataclass(frozen=True)
 class Offer:
-    """Attention -> FFN: the attention rank's sizes, place and F2A buffer."""
+    """Attention -> FFN: the attention rank's sizes, place and its buffer
+    for this FFN rank (:func:`pair_layout`)."""
 
     shapes: Shapes
     place: Place
@@ -222,22 +225,17 @@ class Offer:
 
 @dataclass(frozen=True)
 class Answer:
-    """FFN -> attention: the FFN rank's place and its A2F buffer for it."""
+    """FFN -> attention: the FFN rank's place (it owns no buffer)."""
 
     place: Place
-    buffer: dict[str, Any]
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "backend": "cuda_ipc",
-            "place": dataclasses.asdict(self.place),
-            "buffer": self.buffer,
-        }
+        return {"backend": "cuda_ipc", "place": dataclasses.asdict(self.place)}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Answer:
         try:
-            return cls(Place(**d["place"]), dict(d["buffer"]))
+            return cls(Place(**d["place"]))
         except (KeyError, TypeError) as e:
             raise AFDProtocolError(f"unreadable cuda_ipc setup record: {e!r}") from None
 

@@ -15,7 +15,7 @@ from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.config import afd_config_of
 from vllm_afd.connector import factory
 from vllm_afd.connector.protocol import ExecMode
-from vllm_afd.errors import AFDFFNUnavailable
+from vllm_afd.errors import AFDError, AFDFFNUnavailable
 from vllm_afd.models.exchange import (
     AttentionExchange,
     current_exchange,
@@ -73,19 +73,34 @@ def stop_engine_on_lost_peer(message: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def checked_output(output: Any, connector: Any) -> Any:
+def checked_output(output: Any, connector: Any, link: FFNLink | None = None) -> Any:
     """``output`` of a CUDA step, which reaches the scheduler only after the
     connector's device-side checks of that step passed (cuda_ipc: a timed-out,
-    aborted or desynchronised exchange raises instead of sampling garbage)."""
+    aborted or desynchronised exchange raises instead of sampling garbage).
+
+    With an FFN ``link`` a failed check takes the link down and raises
+    :class:`AFDFFNUnavailable`, which fails the step's requests only.
+    """
+
+    def check() -> None:
+        if link is None:
+            connector.check()
+            return
+        try:
+            connector.check()
+        except AFDError as e:
+            link.lost(str(e))
+            raise AFDFFNUnavailable(str(e)) from e
+
     get_output = getattr(output, "get_output", None)
     if get_output is None:  # already on the host: the step finished
         if output is not None:
-            connector.check()
+            check()
         return output
 
     def get_checked() -> Any:
         result = get_output()  # waits for the step's copies to the host
-        connector.check()
+        check()
         return result
 
     output.get_output = get_checked
@@ -161,9 +176,10 @@ class AttentionSideMixin(AFDRunnerMixin):
         self.afd_endpoint = endpoint
         link = None
         if endpoint.connector is not None:
-            if endpoint.connector.device.type == "cuda":
-                endpoint.connector.watch_peers(stop_engine_on_lost_peer)
-                stats_of = endpoint.connector
+            connector = endpoint.connector
+            if connector.device.type == "cuda" and not connector.bounded_wait:
+                connector.watch_peers(stop_engine_on_lost_peer)
+                stats_of = connector
             else:
                 link = self.afd_link = open_link(self.vllm_config, endpoint)  # type: ignore[attr-defined]
                 stats_of = link
@@ -202,13 +218,14 @@ class AttentionSideMixin(AFDRunnerMixin):
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
-        endpoint = self.afd_endpoint
-        if self.afd_link is None and endpoint is not None and endpoint.connector:
-            output = checked_output(output, endpoint.connector)
         exchange = self.afd_exchange
         if exchange is not None and exchange.failure is not None:
             failure, exchange.failure = exchange.failure, None
             raise AFDFFNUnavailable(failure)
+        # The connector of this step (a link's may be replaced by now).
+        connector = exchange.connector if exchange is not None else None
+        if connector is not None and connector.device.type == "cuda":
+            output = checked_output(output, connector, self.afd_link)
         return output
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:

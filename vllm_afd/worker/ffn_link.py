@@ -45,6 +45,8 @@ class AttentionEndpoint(Protocol):
 
     def watch_peers(self, on_lost: Callable[[str], None]) -> None: ...
 
+    def resume(self) -> None: ...
+
     def close(self, reason: str | None = None) -> None: ...
 
 
@@ -157,6 +159,8 @@ class FFNLink:
             time.sleep(RETRY_S)
 
     def _install(self, connector: AttentionEndpoint) -> bool:
+        with self._steps:  # no step runs while the data plane starts anew
+            connector.resume()
         with self._lock:
             if self._closed:
                 connector.close()

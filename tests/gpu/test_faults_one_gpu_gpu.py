@@ -1,0 +1,105 @@
+"""The attention role outlives its FFN rank on CUDA: one GPU, cuda_ipc, graphs.
+
+Both roles on GPU 0 (MPS), FULL CUDA graphs for decode, tiny bf16 Qwen3-MoE.
+The cuda_ipc data plane's device-side waits end at an abort, and the buffers
+the attention role's graphs point at are its own, so one lifetime covers:
+
+1. **FFN SIGKILL mid-stream** (after the first streamed token): the stream
+   ends with an error within ``timeout_s``, ``/health`` answers 503 naming
+   ``ffn rank 0``, the attention process stays up;
+2. the supervisor restarts the FFN rank, the attention rank rejoins it, and
+   the workload (replayed from the graphs captured before the fault) is
+   token-identical to plain vLLM on the same GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gpu_harness import FULL_DECODE_ONLY, ONE_GPU, ONE_GPU_ARGS, gpu_spec
+from harness import (
+    Supervisor,
+    assert_same_outputs,
+    http_get,
+    plain_outputs,
+    print_log_tail,
+    prompts,
+    run_workload,
+    served_model,
+    start,
+    stream_until_error,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+
+TIMEOUT_S = 10.0
+GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
+TEXTS = prompts(16)
+ATOL = 1e-2
+
+
+def test_attention_survives_its_ffn_on_one_gpu_with_graphs(
+    gpu_tiny_models: dict[str, Path], tmp_path: Path, mps: None
+) -> None:
+    model = gpu_tiny_models["qwen3_moe"]
+    spec = gpu_spec(
+        model,
+        GRAPHS,
+        **ONE_GPU,
+        connector_extra_config={"timeout_s": TIMEOUT_S, "heartbeat_interval_s": 1.0},
+        ffn_restarts=3,
+    )
+    with (tmp_path / "plain.log").open("w") as plain_log:
+        plain = plain_outputs(spec, TEXTS, log=plain_log, devices="0")
+    afd, log = start(spec)
+    figures = {}
+    try:
+        url = afd.api_url
+        name = served_model(url)
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, ATOL)
+        attention_pid = afd.attention.proc.pid
+        first, outcome = threading.Event(), {}
+        stream = threading.Thread(
+            target=stream_until_error, args=(url, name, first, outcome, 460)
+        )
+        stream.start()
+        if not first.wait(60):
+            stream.join(5)
+            pytest.fail(f"no streamed token before the kill: {outcome}")
+        with Supervisor(afd) as supervisor:
+            killed = time.monotonic()
+            os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+            stream.join(TIMEOUT_S + 30)
+            assert not stream.is_alive(), "the in-flight stream hung"
+            figures["stream error"] = outcome["ended"] - killed
+            last = outcome["events"][-1]
+            assert "error" in last and len(outcome["events"]) < 460, last
+            wait_for(lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S, "503")
+            figures["/health 503"] = time.monotonic() - killed
+            code, text = http_get(f"{url}/health")
+            assert code == 503 and "ffn rank 0" in text, text
+            figures["FFN restarted, healthy"] = wait_for(
+                afd.ffn.healthy, 300, "the restarted FFN rank"
+            )
+            figures["rejoin after FFN healthy"] = wait_for(
+                lambda: http_get(f"{url}/health")[0] == 200, 60, "attention /health"
+            )
+            assert supervisor.error is None, supervisor.error
+        assert_same_outputs(run_workload(url, name, TEXTS), plain, ATOL)
+        assert afd.attention.proc.pid == attention_pid
+        assert afd.attention.exit_code() is None
+    except BaseException:
+        print_log_tail(log)
+        raise
+    finally:
+        afd.stop()
+    print(
+        "one-GPU cuda_ipc FULL graphs, FFN SIGKILL: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in figures.items())
+    )
