@@ -16,15 +16,17 @@ LAYERS = 3  # the scenario's fingerprint
 STEPS = 5
 
 
-def graph_attention(sc: S.Scenario) -> dict[str, Any]:
-    """Capture LAYERS round trips in one CUDA graph, replay with new inputs."""
-    conn = S._connector(sc, "attention", 0)
-    conn.start()
-    n = 8
+def _step_tensors(sc: S.Scenario, n: int = 8) -> tuple[torch.Tensor, list]:
+    """A step's input [n, H] and one output per layer."""
     x = torch.zeros(n, sc.hidden, device="cuda", dtype=getattr(torch, sc.dtype))
-    outs = [torch.empty_like(x) for _ in range(LAYERS)]
+    return x, [torch.empty_like(x) for _ in range(LAYERS)]
+
+
+def _capture(conn: Any, x: torch.Tensor, outs: list[torch.Tensor]) -> Any:
+    """Warm up eagerly, then capture LAYERS round trips in one graph."""
+    n = x.shape[0]
     conn.send_plan(StepPlan(0, ExecMode.WARMUP, (n,)))
-    for layer in range(LAYERS):  # eager warm-up: compiles the kernels
+    for layer in range(LAYERS):
         conn.send_a2f(layer, 0, x)
         conn.recv_f2a(layer, 0, out=outs[layer])
     conn.flush()
@@ -33,21 +35,34 @@ def graph_attention(sc: S.Scenario) -> dict[str, Any]:
     conn.send_plan(StepPlan(1, ExecMode.CAPTURE, (n,)))
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
-            src = x if layer == 0 else outs[layer - 1]
-            conn.send_a2f(layer, 0, src)
+            conn.send_a2f(layer, 0, x if layer == 0 else outs[layer - 1])
             conn.recv_f2a(layer, 0, out=outs[layer])
         conn.flush()
+    return graph
+
+
+def _replay_exact(conn: Any, graph: Any, step: int, x: torch.Tensor,
+                  outs: list[torch.Tensor]) -> None:  # fmt: skip
+    conn.send_plan(StepPlan(step, ExecMode.REPLAY, (x.shape[0],)))
+    x.copy_(torch.randn(x.shape).to(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    conn.check()
+    want = x
+    for layer in range(LAYERS):
+        want = S.ffn_fn(want, None, layer)
+        if not torch.equal(outs[layer], want):
+            raise AssertionError(f"replay {step} layer {layer} differs")
+
+
+def graph_attention(sc: S.Scenario) -> dict[str, Any]:
+    """Capture LAYERS round trips in one CUDA graph, replay with new inputs."""
+    conn = S._connector(sc, "attention", 0)
+    conn.start()
+    x, outs = _step_tensors(sc)
+    graph = _capture(conn, x, outs)
     for step in range(2, 2 + STEPS):
-        conn.send_plan(StepPlan(step, ExecMode.REPLAY, (n,)))
-        x.copy_(torch.randn(n, sc.hidden).to(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        conn.check()
-        want = x
-        for layer in range(LAYERS):
-            want = S.ffn_fn(want, None, layer)
-            if not torch.equal(outs[layer], want):
-                raise AssertionError(f"replay {step} layer {layer} differs")
+        _replay_exact(conn, graph, step, x, outs)
     conn.close()
     return {"ok": True, "replays": STEPS}
 
@@ -57,9 +72,7 @@ def graph_ffn(sc: S.Scenario) -> dict[str, Any]:
     conn.start()
     plan = conn.recv_plan()
     assert plan is not None and plan.mode is ExecMode.WARMUP
-    for layer in range(LAYERS):
-        batch = conn.recv_a2f(layer, 0)
-        conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
+    _serve_step(conn)
     plan = conn.recv_plan()
     assert plan is not None and plan.mode is ExecMode.CAPTURE
     graph = torch.cuda.CUDAGraph()
@@ -144,38 +157,6 @@ def silent_ffn(sc: S.Scenario) -> dict[str, Any]:
     return {"ok": True}
 
 
-def _capture(conn: Any, n: int, x: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-    """Warm up eagerly, then capture LAYERS round trips in one graph."""
-    conn.send_plan(StepPlan(0, ExecMode.WARMUP, (n,)))
-    for layer in range(LAYERS):
-        conn.send_a2f(layer, 0, x)
-        conn.recv_f2a(layer, 0, out=outs[layer])
-    conn.flush()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    conn.send_plan(StepPlan(1, ExecMode.CAPTURE, (n,)))
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            conn.send_a2f(layer, 0, x if layer == 0 else outs[layer - 1])
-            conn.recv_f2a(layer, 0, out=outs[layer])
-        conn.flush()
-    return graph
-
-
-def _replay_exact(conn: Any, graph: Any, step: int, x: torch.Tensor,
-                  outs: list[torch.Tensor]) -> None:  # fmt: skip
-    conn.send_plan(StepPlan(step, ExecMode.REPLAY, (x.shape[0],)))
-    x.copy_(torch.randn(x.shape).to(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    conn.check()
-    want = x
-    for layer in range(LAYERS):
-        want = S.ffn_fn(want, None, layer)
-        if not torch.equal(outs[layer], want):
-            raise AssertionError(f"replay {step} layer {layer} differs")
-
-
 def rejoin_attention(sc: S.Scenario) -> dict[str, Any]:
     """The FFN process dies during a graph replay; a new one takes its place
     and the graph captured with the first keeps replaying, exact."""
@@ -185,13 +166,11 @@ def rejoin_attention(sc: S.Scenario) -> dict[str, Any]:
     conn.start()
     lost = threading.Event()
     conn.watch_peers(lambda why: lost.set())
-    n = 8
-    x = torch.zeros(n, sc.hidden, device="cuda", dtype=getattr(torch, sc.dtype))
-    outs = [torch.empty_like(x) for _ in range(LAYERS)]
-    graph = _capture(conn, n, x, outs)
+    x, outs = _step_tensors(sc)
+    graph = _capture(conn, x, outs)
     for step in (2, 3):
         _replay_exact(conn, graph, step, x, outs)
-    conn.send_plan(StepPlan(4, ExecMode.REPLAY, (n,)))
+    conn.send_plan(StepPlan(4, ExecMode.REPLAY, (x.shape[0],)))
     t0 = time.monotonic()
     graph.replay()  # the FFN dies on this plan: the waits end at the abort
     torch.cuda.synchronize()
@@ -214,21 +193,23 @@ def rejoin_attention(sc: S.Scenario) -> dict[str, Any]:
     return {"ok": True, "error": error, "ended_s": ended, "replays": STEPS}
 
 
-def _dying_ffn(sc: S.Scenario) -> None:
-    conn = S._connector(sc, "ffn", 0)
-    conn.start()
-    conn.recv_plan()  # warm-up: the attention exchanges eagerly
+def _serve_step(conn: Any) -> None:
+    """Serve one planned step's LAYERS exchanges eagerly."""
     for layer in range(LAYERS):
         batch = conn.recv_a2f(layer, 0)
         conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
     conn.flush()
+
+
+def _dying_ffn(sc: S.Scenario) -> None:
+    conn = S._connector(sc, "ffn", 0)
+    conn.start()
+    conn.recv_plan()  # warm-up: the attention exchanges eagerly
+    _serve_step(conn)
     conn.recv_plan()  # capture: recorded there, nothing is exchanged
     for _ in range(2):  # two replays served, eagerly here
         conn.recv_plan()
-        for layer in range(LAYERS):
-            batch = conn.recv_a2f(layer, 0)
-            conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
-        conn.flush()
+        _serve_step(conn)
     conn.recv_plan()
     conn.recv_a2f(0, 0)
     torch.cuda.synchronize()
@@ -250,10 +231,7 @@ def rejoin_ffn(sc: S.Scenario) -> dict[str, Any]:
     conn.start()
     served = 0
     while conn.recv_plan() is not None:
-        for layer in range(LAYERS):
-            batch = conn.recv_a2f(layer, 0)
-            conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
-        conn.flush()
+        _serve_step(conn)
         served += 1
     conn.close()
     return {"ok": True, "served": served}
