@@ -133,3 +133,42 @@ def test_without_a_link_a_connector_error_still_raises():
     with pytest.raises(Exception, match="ffn rank 0"):
         _step(exchange)
     att.close()
+
+
+def test_a_rejoined_connector_resumes_before_any_step_uses_it(monkeypatch):
+    """``resume()`` (cuda_ipc: zero the state its graphs point at) runs once
+    per rejoin, while the link is still down and no step can start."""
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    loop, att = _served_pair()
+    loops, seen = [loop], []
+
+    def reconnect():
+        new_loop, new_att = _served_pair()
+        loops.append(new_loop)
+
+        def resume() -> None:
+            entered = threading.Event()
+
+            def step() -> None:
+                with link.step():
+                    entered.set()
+
+            t = threading.Thread(target=step)
+            t.start()
+            seen.append((link.state.up, entered.wait(0.2)))
+            new_att.resumed = True
+
+        new_att.resume = resume
+        return new_att
+
+    link = FFNLink(att, reconnect, attention_rank=0, ffn_rank=0)
+    exchange = AttentionExchange(None, link=link)
+    link.lost("ffn rank 0 closed its connection")
+    _wait(lambda: link.state.up)
+    assert seen == [(False, False)], "resumed while up, or beside a step"
+    assert link.connector.resumed
+    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
+        assert torch.equal(got, _compute(layer, _Batch(hidden)))
+    link.close()
+    for each in loops:
+        each.stop()
