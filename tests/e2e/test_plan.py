@@ -1,6 +1,7 @@
 """``vllm-afd plan`` end to end on a tiny model: measure, predict, check.
 
-One run profiles 1A1F AFD, plain vLLM and (shared cores) 2A1F AFD, predicts
+One run profiles 1A1F AFD, plain vLLM (also with tensor parallelism 2, a
+colocated baseline of its own) and (shared cores) 2A1F AFD, predicts
 every deployment of up to 3 role processes, and ``--check`` launches 1A1F
 again and measures it beside its prediction. The report must hold every part with
 sane values; a second run reads the cached profile and starts no server.
@@ -39,6 +40,7 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     model = tiny_models["deepseek_v2"]
     report = tmp_path / "plan.json"
     run = _plan(model, tmp_path, "--check", "--check-topologies", "1A1F",
+                "--tp-baselines", "2",
                 "--json", str(report), "--plot", str(tmp_path / "plan.png"),
                 "--server-log", str(tmp_path / "servers.log"))  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -51,9 +53,15 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     for context in ("32", "128"):
         assert all(t > 0 for _, t in prof["attention"][context])
         assert all(t > 0 for _, t in prof["colocated"][context])
+        assert all(t > 0 for _, t in prof["colocated_tp"]["2"][context])
     assert prof["kv_tokens_attention"] > 0 and prof["kv_tokens_colocated"] > 0
+    assert prof["kv_tokens_colocated_tp"]["2"] > 0
     assert set(prof["sharing"]) == {"32", "128"}  # measured on 2A1F
-    assert [len(v) for v in data["points"].values()] == [4, 4, 4]
+    assert {k: len(v) for k, v in data["points"].items()} == {
+        "afd": 4, "plain": 4, "plain_tp2": 4, "shared": 4,
+    }  # fmt: skip
+    baselines = {b["name"] for b in data["plan"]["baselines"].values()}
+    assert baselines <= {"colocated", "colocated TP2"}
     names = {r["name"] for r in data["plan"]["rows"]}
     assert names == {"1A1F", "2A1F"}  # 3 processes; no micro-batches on CPU
     rec = data["plan"]["recommended"]
@@ -62,10 +70,12 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     assert check["deployment"] == "1A1F" and check["measured_step_ms"] > 0
     assert "recommended:" in run.stdout and "median |step error|" in run.stdout
     assert "measured on cpu" in run.stdout
+    assert "plain vLLM TP2 step:" in run.stdout
     PLAN_RESULTS.append(
         f"1A1F batch {check['batch']}: predicted {check['predicted_step_ms']:.1f} "
         f"ms, measured {check['measured_step_ms']:.1f} ms "
-        f"({check['step_error'] * 100:+.0f}%); recommended {rec['name']}"
+        f"({check['step_error'] * 100:+.0f}%); recommended {rec['name']}; "
+        f"baselines {sorted(baselines)}"
     )
     try:
         import matplotlib  # noqa: F401
@@ -74,7 +84,8 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     except ImportError:
         pass
 
-    again = _plan(model, tmp_path, "--json", str(tmp_path / "again.json"))
+    again = _plan(model, tmp_path, "--tp-baselines", "2",
+                  "--json", str(tmp_path / "again.json"))  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert "using the cached profile" in again.stderr
     assert "starting" not in again.stderr  # no server

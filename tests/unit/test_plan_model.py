@@ -231,3 +231,81 @@ def test_sharing_is_fitted_on_2a1f_and_charged_per_extra_attention_rank() -> Non
     fast = build_profile(afd, plain, "cpu", 16, shared=[Point(64, 4, 0.0)],
                          remote_layers=2, kv_attention=None, kv_plain=None)  # fmt: skip
     assert fast.sharing[64](4) == 0.0
+
+
+def _tp2(platform: str = "cuda", step_s: float = 2e-3) -> Profile:
+    """``_profile`` with a measured TP2 baseline of a flat ``step_s``."""
+    return _profile(
+        platform,
+        colocated_tp={2: {128: Curve(((1, step_s), (64, step_s)))}},
+        kv_tokens_colocated_tp={2: 10_000},
+    )
+
+
+def test_a_tp_baseline_counts_its_devices_except_on_shared_cores() -> None:
+    gpu = predict_colocated(_tp2(), 128, 64, tp=2)
+    assert gpu.name == "colocated TP2"
+    assert gpu.tokens_per_s_per_device == pytest.approx(64 / 2e-3 / 2)
+    host = predict_colocated(_tp2("cpu"), 128, 64, tp=2)
+    assert host.tokens_per_s_per_device == pytest.approx(64 / 2e-3)  # per host
+    assert best_batch(_tp2(), None, 128, [64], None, tp=2).best == gpu
+    # its own KV capacity bounds its batch
+    assert best_batch(_tp2(), None, 1000, [64], None, tp=2).best is None
+
+
+def test_plan_takes_the_best_colocated_baseline_that_fits_the_devices() -> None:
+    fast = _tp2(step_s=1e-3)  # TP2 beats one device per replica
+    plan = make_plan(fast, 4, [128], [1, 16, 64], None, max_ubatches=1)
+    assert plan.baselines[128].name == "colocated TP2"
+    slow = make_plan(_tp2(step_s=1.0), 4, [128], [1, 16, 64], None, max_ubatches=1)
+    assert slow.baselines[128].name == "colocated"
+    four = _profile(colocated_tp={4: {128: Curve(((1, 1e-6), (64, 1e-6)))}})
+    narrow = make_plan(four, 3, [128], [1, 64], None, max_ubatches=1)
+    assert narrow.baselines[128].name == "colocated"  # TP4 needs 4 devices
+    text = plan_cli.format_plan(plan, "tok/s/device")
+    assert "colocated TP2" in text
+    assert Profile.from_json(json.loads(json.dumps(fast.to_json()))) == fast
+
+
+def test_build_profile_keeps_tp_baselines_apart() -> None:
+    afd = [Point(64, 1, 0.010, wait_s=0.006, ffn_s=0.004, ffn_tokens=1)]
+    prof = build_profile(
+        afd, [Point(64, 1, 0.008)], "cpu", 16, remote_layers=2, kv_attention=50,
+        kv_plain=40, tp={2: [Point(64, 1, 0.005)]}, kv_tp={2: 30},
+    )  # fmt: skip
+    assert prof.colocated[64](1) == pytest.approx(0.008)
+    assert prof.colocated_tp[2][64](1) == pytest.approx(0.005)
+    assert prof.kv_tokens_colocated_tp == {2: 30}
+    text = plan_cli.format_profile(prof, [{"context": 64, "batch": 1}])
+    assert "plain vLLM TP2 step: context 64 batch 1: 5.00 ms; KV capacity 30" in text
+
+
+def test_tp_baselines_flag_is_checked(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for argv, error in [
+        (("--tp-baselines", "1"), "sizes must be >= 2"),
+        (("--tp-baselines", "8", "--devices", "4"), "needs 8 devices"),
+    ]:
+        args = _args(*argv)
+        args.model = str(tmp_path)
+        assert plan_cli.run_plan(args) == 2
+        assert error in capsys.readouterr().err
+    args = _args("--tp-baselines", "2")
+    args.model, args.vllm_args = str(tmp_path), ["-tp", "2"]
+    assert plan_cli.run_plan(args) == 2
+    assert "those go to every role" in capsys.readouterr().err
+    assert _args("--tp-baselines", "4,2").tp_baselines == [2, 4]
+    plain = _args()
+    plain.model = str(tmp_path)
+    key = plan_cli.cache_key(plain, "cpu", {})
+    plain.tp_baselines = [2]
+    assert key != plan_cli.cache_key(plain, "cpu", {})
+
+
+def test_log_watch_keeps_the_tp_servers_kv_apart() -> None:
+    from vllm_afd.cli.plan_profile import _tp_name
+
+    log = LogWatch()
+    log.write("[plain] INFO ... KV cache size: 999 tokens\n")
+    log.write(f"[{_tp_name(2)}] INFO ... KV cache size: 2,000 tokens\n")
+    assert log.kv_of("plain") == 999 and log.kv_of(_tp_name(2)) == 2000

@@ -1035,13 +1035,14 @@ class PlainServer:
         spec: DeploymentSpec,
         log: IO[str] | None = sys.stdout,
         port: int | None = None,
+        name: str = "plain",
     ) -> None:
         common = list(spec.vllm_args)
         if _wants_cpu_workaround(spec):
             common += ["--compilation-config", CPU_COMPILATION_CONFIG]
         host = api_host_of(spec, [])
         self.process = RoleProcess(
-            "plain",
+            name,
             serve_argv(spec.model, port or spec.port, common, host),
             port or spec.port,
             child_env(spec.plain_devices()),

@@ -3,7 +3,8 @@
 ::
 
     vllm-afd plan MODEL [--context-lens 128,512] [--batch-sizes 1,4,16]
-                  [--tpot-slo-ms MS] [--devices N] [--check] [-- vllm args…]
+                  [--tpot-slo-ms MS] [--devices N] [--tp-baselines 2]
+                  [--check] [-- vllm args…]
 
 Measures the decode parts on real servers (``cli.plan_profile``; cached per
 model, arguments and machine), predicts every xAyF and micro-batch count
@@ -26,7 +27,12 @@ from typing import Any
 
 from vllm_afd.cli import bench_report
 from vllm_afd.cli.bench_workload import model_info
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError
+from vllm_afd.cli.launch import (
+    Deployment,
+    DeploymentSpec,
+    LaunchError,
+    tensor_parallel_size,
+)
 from vllm_afd.cli.plan_model import (
     Candidate,
     Plan,
@@ -108,6 +114,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the visible GPUs, on CPU 4",
     )  # fmt: skip
     p.add_argument("--max-ubatches", type=int, default=2, help="micro-batch counts")
+    p.add_argument(
+        "--tp-baselines", type=_ints("--tp-baselines"), default=[],
+        help="also measure plain vLLM with these tensor-parallel sizes (each "
+        ">= 2, over that many devices) as colocated baselines; the best one "
+        "that fits --devices is the reference",
+    )  # fmt: skip
     p.add_argument("--gate-on-attention", action="store_true")
     p.add_argument("--connector-extra-config", type=json.loads, default={})
     p.add_argument("--json", help="write the profile, plan and check as JSON here")
@@ -194,6 +206,7 @@ def cache_key(args: argparse.Namespace, platform: str, where: dict[str, Any]) ->
         "batches": args.batch_sizes,
         "decode": args.decode_tokens,
         "repeats": args.repeats,
+        "tp_baselines": args.tp_baselines,
         "platform": platform,
         **{k: where.get(k) for k in ("device", "vllm", "vllm_afd", "torch")},
     }
@@ -242,6 +255,14 @@ def format_profile(prof: Profile, afd: list[dict]) -> str:
         )
     kv = (prof.kv_tokens_attention, prof.kv_tokens_colocated)
     lines.append(f"KV capacity (tokens): attention rank {kv[0]}, colocated {kv[1]}")
+    for n, curves in sorted(prof.colocated_tp.items()):
+        steps = ", ".join(
+            f"context {c} batch {int(b)}: {t * 1e3:.2f} ms"
+            for c, curve in sorted(curves.items())
+            for b, t in curve.points
+        )
+        kv_n = prof.kv_tokens_colocated_tp.get(n)
+        lines.append(f"plain vLLM TP{n} step: {steps}; KV capacity {kv_n}")
     return "\n".join(lines)
 
 
@@ -407,7 +428,8 @@ def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
         base = plan.baselines.get(c)
         if base:
             ax.axhline(base.tokens_per_s_per_device, linestyle=":", color="grey")
-            ax.annotate(f"colocated, context {c}", (0.02, base.tokens_per_s_per_device),
+            ax.annotate(f"{base.name}, context {c}",
+                        (0.02, base.tokens_per_s_per_device),
                         xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
     ax.set_xlabel("A:F (attention ranks per FFN rank)")
     ax.set_ylabel(unit)
@@ -446,6 +468,17 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"--max-ubatches={args.max_ubatches} must be >= 1"
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         return f"--tpot-slo-ms={args.tpot_slo_ms} must be positive"
+    if args.tp_baselines and args.tp_baselines[0] < 2:
+        return (
+            f"--tp-baselines={','.join(map(str, args.tp_baselines))}: sizes must "
+            "be >= 2 (tensor parallelism 1 is the colocated baseline already)"
+        )
+    if args.tp_baselines and tensor_parallel_size(args.vllm_args) > 1:
+        return (
+            "--tp-baselines with --tensor-parallel-size in the vLLM arguments: "
+            "those go to every role; give the tensor-parallel sizes to compare "
+            "with --tp-baselines only"
+        )
     return None
 
 
@@ -464,6 +497,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if gpus >= 2 and devices > gpus:
         _note(f"--devices={devices} but {gpus} GPUs are visible; give at most {gpus}")
         return 2
+    for n in args.tp_baselines:
+        if gpus and n > gpus:
+            _note(f"--tp-baselines {n} needs {n} GPUs, {gpus} are visible")
+            return 2
+        if n > devices:
+            _note(f"--tp-baselines {n} needs {n} devices, --devices is {devices}")
+            return 2
     for cand in args.check_topologies or []:
         if platform == "cpu" and cand.ubatches > 1:
             _note(f"--check-topologies {cand.name}: micro-batches need CUDA "
@@ -489,8 +529,8 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             prof, measured = profile(
                 spec, args.context_lens, args.batch_sizes, args.decode_tokens,
-                platform, seed=args.seed, repeats=args.repeats, log=log,
-                note=_note,
+                platform, seed=args.seed, repeats=args.repeats,
+                tp_baselines=args.tp_baselines, log=log, note=_note,
             )  # fmt: skip
             points = {k: _points_json(v) for k, v in measured.items()}
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,12 @@ FFN rank k serves n_k attention ranks (blocks of ceil(x/y) or floor(x/y),
 ``T_f(n*u)`` at small ``u`` keeps its intercept (the expert weights read
 once per call), so the model charges micro-batches their re-reads. Tokens
 per second per device: ``x*b / step / (x+y)`` on GPUs; on CPU the host is
-the device (``x*b / step``). The colocated baseline is plain vLLM on one
-device with data-parallel replicas: ``b / T_p(b)`` per device (TP and EP
-are not modelled). A batch fits when ``b*(c + decode tokens)`` fits the KV
+the device (``x*b / step``). The colocated baselines are plain vLLM on one
+device with data-parallel replicas, ``b / T_p(b)`` per device, and, where
+measured (``--tp-baselines``), plain vLLM with tensor parallelism N over N
+devices, ``b / T_pN(b) / N`` per device (per host on shared cores:
+``b / T_pN(b)``); the best that fits is the reference. Expert parallelism is
+not modelled. A batch fits when ``b*(c + decode tokens)`` fits the KV
 capacity of the rank and the step meets the TPOT SLO.
 
 Curves interpolate linearly between measured points and extrapolate from the
@@ -113,6 +116,9 @@ class Profile:
         sharing: shared cores only: ``{context: S(batch)}``, what each
             attention rank beyond the first costs a step on top of its work
             (measured on 2A1F; empty: nothing).
+        colocated_tp: ``{N: {context: T_pN(batch)}}``, plain vLLM with
+            tensor parallelism N (empty: not measured).
+        kv_tokens_colocated_tp: ``{N: KV capacity}`` of those servers.
     """
 
     platform: str
@@ -125,6 +131,8 @@ class Profile:
     kv_tokens_attention: int | None = None
     kv_tokens_colocated: int | None = None
     sharing: dict[int, Curve] = field(default_factory=dict)
+    colocated_tp: dict[int, dict[int, Curve]] = field(default_factory=dict)
+    kv_tokens_colocated_tp: dict[int, int | None] = field(default_factory=dict)
 
     @property
     def shared_cores(self) -> bool:
@@ -139,6 +147,13 @@ class Profile:
         d["colocated"] = {str(k): c(v) for k, v in self.colocated.items()}
         d["ffn"], d["comm"] = c(self.ffn), c(self.comm)
         d["sharing"] = {str(k): c(v) for k, v in self.sharing.items()}
+        d["colocated_tp"] = {
+            str(n): {str(k): c(v) for k, v in curves.items()}
+            for n, curves in self.colocated_tp.items()
+        }
+        d["kv_tokens_colocated_tp"] = {
+            str(n): kv for n, kv in self.kv_tokens_colocated_tp.items()
+        }
         return d
 
     @classmethod
@@ -157,6 +172,13 @@ class Profile:
             kv_tokens_attention=d.get("kv_tokens_attention"),
             kv_tokens_colocated=d.get("kv_tokens_colocated"),
             sharing={int(k): c(v) for k, v in d.get("sharing", {}).items()},
+            colocated_tp={
+                int(n): {int(k): c(v) for k, v in curves.items()}
+                for n, curves in d.get("colocated_tp", {}).items()
+            },
+            kv_tokens_colocated_tp={
+                int(n): kv for n, kv in d.get("kv_tokens_colocated_tp", {}).items()
+            },
         )
 
 
@@ -240,10 +262,23 @@ def predict(profile: Profile, cand: Candidate, context: int, batch: int) -> Pred
     )  # fmt: skip
 
 
-def predict_colocated(profile: Profile, context: int, batch: int) -> Prediction:
-    """Plain vLLM, one device per replica."""
-    step = _nearest(profile.colocated, context)(batch)
-    return Prediction("colocated", context, batch, step, step, 0.0, 0.0, batch / step)
+def predict_colocated(
+    profile: Profile, context: int, batch: int, tp: int = 1
+) -> Prediction:
+    """Plain vLLM: one device per replica (``tp`` 1), or tensor parallel over
+    ``tp`` devices (measured: ``profile.colocated_tp``)."""
+    curves = profile.colocated if tp == 1 else profile.colocated_tp[tp]
+    step = _nearest(curves, context)(batch)
+    devices = 1 if profile.shared_cores else tp
+    name = "colocated" if tp == 1 else f"colocated TP{tp}"
+    per_device = batch / step / devices
+    return Prediction(name, context, batch, step, step, 0.0, 0.0, per_device)
+
+
+def colocated_tps(profile: Profile, devices: int) -> list[int]:
+    """The tensor-parallel sizes of the colocated baselines that fit
+    ``devices`` (1: data-parallel replicas of one device each)."""
+    return [1, *sorted(n for n in profile.colocated_tp if n <= devices)]
 
 
 def _fits(
@@ -284,14 +319,21 @@ def best_batch(
     context: int,
     batches: Sequence[int],
     slo_s: float | None,
+    tp: int = 1,
 ) -> Choice:
     """The batch (of ``batches``) with the most tokens/s per device that fits
-    the KV capacity and the SLO; ``cand`` None is the colocated baseline."""
-    kv = profile.kv_tokens_colocated if cand is None else profile.kv_tokens_attention
+    the KV capacity and the SLO; ``cand`` None is the colocated baseline of
+    tensor-parallel size ``tp``."""
+    if cand is not None:
+        kv = profile.kv_tokens_attention
+    elif tp == 1:
+        kv = profile.kv_tokens_colocated
+    else:
+        kv = profile.kv_tokens_colocated_tp.get(tp)
     tried = []
     for b in batches:
         if cand is None:
-            p = predict_colocated(profile, context, b)
+            p = predict_colocated(profile, context, b, tp)
         else:
             p = predict(profile, cand, context, b)
         tried.append(_fits(p, kv, context, profile.decode_tokens, slo_s))
@@ -353,7 +395,13 @@ def make_plan(
                 continue
             rows.append(choice.best)
             score.setdefault(cand.name, []).append(choice.best)
-    baselines = {c: best_batch(profile, None, c, batches, slo_s).best for c in contexts}
+    baselines = {
+        c: _best(
+            best_batch(profile, None, c, batches, slo_s, tp).best
+            for tp in colocated_tps(profile, devices)
+        )
+        for c in contexts
+    }
     full = {k: v for k, v in score.items() if len(v) == len(contexts)}
     if not full:
         return Plan(tuple(contexts), tuple(rows), baselines, None,
@@ -367,6 +415,12 @@ def make_plan(
         REASONS[best.bound]
     )  # fmt: skip
     return Plan(tuple(contexts), tuple(rows), baselines, best, reason, tuple(unfit))
+
+
+def _best(predictions: Iterable[Prediction | None]) -> Prediction | None:
+    """The prediction with the most tokens/s per device (None: none fits)."""
+    fitting = [p for p in predictions if p is not None]
+    return max(fitting, key=lambda p: p.tokens_per_s_per_device, default=None)
 
 
 def _mean(values: Iterable[float]) -> float:

@@ -17,8 +17,10 @@ so T_a + T_c + T_f is the measured 1A1F step whenever W >= T_f. (W < T_f
 happens on shared cores: the FFN output can be there before the attention
 asks for it.)
 
-Plain vLLM's ``step`` at the point is the colocated T_p. The KV
-capacity of each comes from vLLM's start-up line ``KV cache size: N tokens``.
+Plain vLLM's ``step`` at the point is the colocated T_p; with
+``tp_baselines`` plain vLLM also runs with ``--tensor-parallel-size N`` for
+each N (T_pN). The KV capacity of each comes from vLLM's start-up line
+``KV cache size: N tokens``.
 """
 
 from __future__ import annotations
@@ -208,16 +210,19 @@ def profile(
     *,
     seed: int = 0,
     repeats: int = 1,
+    tp_baselines: Sequence[int] = (),
     log: LogWatch | None = None,
     note: Callable[[str], None] | None = None,
 ) -> tuple[Profile, dict[str, list[Point]]]:
     """Measure every point on 1A1F AFD, on plain vLLM (``spec``'s model and
-    vLLM arguments) and, on shared cores, on 2A1F AFD, each ``repeats``
-    times (medians); the profile and the points by phase."""
+    vLLM arguments; also with each tensor-parallel size of ``tp_baselines``)
+    and, on shared cores, on 2A1F AFD, each ``repeats`` times (medians); the
+    profile and the points by phase."""
     log = log or LogWatch()
     say = note or (lambda s: print(f"vllm-afd plan: {s}", file=sys.stderr, flush=True))
     grid = [(c, b) for c in contexts for b in batches]
-    phases = ["afd", "plain", *(["shared"] if platform == "cpu" else [])]
+    tp_phases = [f"plain_tp{n}" for n in tp_baselines]
+    phases = ["afd", "plain", *tp_phases, *(["shared"] if platform == "cpu" else [])]
     counter = iter(range(1, len(grid) * len(phases) + 1))
     points: dict[str, list[Point]] = {}
 
@@ -238,12 +243,16 @@ def profile(
         points["afd"] = each("AFD 1A1F", lambda c, b, sd: measure_afd_point(
             url, ffn_urls, served, c, b, decode_tokens, sd))  # fmt: skip
     split = log.split
-    say("starting plain vLLM (colocated) ...")
-    with PlainServer(spec, log=log) as plain:
-        served = _check_lengths(plain.url, contexts, decode_tokens)
-        warm_up(plain.url, served, min(contexts), 2)
-        points["plain"] = each("plain vLLM", lambda c, b, sd: measure_plain_point(
-            plain.url, served, c, b, decode_tokens, sd))  # fmt: skip
+    for n in (1, *tp_baselines):
+        what = "plain vLLM" if n == 1 else f"plain vLLM TP{n}"
+        say(f"starting {what} (colocated) ...")
+        with _plain(spec, n, log) as plain:
+            served = _check_lengths(plain.url, contexts, decode_tokens)
+            warm_up(plain.url, served, min(contexts), 2)
+            points["plain" if n == 1 else f"plain_tp{n}"] = each(
+                what, lambda c, b, sd, url=plain.url, served=served:
+                measure_plain_point(url, served, c, b, decode_tokens, sd),
+            )  # fmt: skip
     if "shared" in phases:
         say("starting AFD 2A1F to measure what sharing the cores costs ...")
         with _afd(spec, 2, log, contexts, decode_tokens) as (url, _, served):
@@ -255,8 +264,30 @@ def profile(
         shared=points.get("shared", ()),
         remote_layers=len(split["remote_layers"]) if split else 0,
         kv_attention=log.kv_of("attention"), kv_plain=log.kv_of("plain"),
+        tp={n: points[f"plain_tp{n}"] for n in tp_baselines},
+        kv_tp={n: log.kv_of(_tp_name(n)) for n in tp_baselines},
     )  # fmt: skip
     return prof, points
+
+
+def _tp_name(n: int) -> str:
+    """The log prefix of the plain server with tensor parallelism ``n``
+    (not containing "plain": ``LogWatch.kv_of`` matches by substring)."""
+    return f"colocated-tp{n}"
+
+
+def _plain(spec: DeploymentSpec, tp: int, log: LogWatch) -> PlainServer:
+    """Plain vLLM on ``spec``, with ``--tensor-parallel-size tp`` when > 1
+    (on GPUs ``0 .. tp-1``)."""
+    if tp == 1:
+        return PlainServer(spec, log=log)
+    tp_spec = dataclasses.replace(
+        spec, vllm_args=[*spec.vllm_args, "--tensor-parallel-size", str(tp)]
+    )
+    if spec.attention_devices is not None:  # GPUs: the first tp of them
+        gpus = ",".join(str(i) for i in range(tp))
+        tp_spec = dataclasses.replace(tp_spec, attention_devices=gpus, ffn_devices=None)
+    return PlainServer(tp_spec, log=log, name=_tp_name(tp))
 
 
 @contextlib.contextmanager
@@ -278,6 +309,14 @@ def _afd(
         dep.stop()
 
 
+def _by_context(points: Sequence[Point]) -> dict[int, Curve]:
+    """``{context: step(batch)}`` of plain vLLM's points."""
+    return {
+        c: Curve.of((p.batch, p.tpot_s) for p in points if p.context == c)
+        for c in sorted({p.context for p in points})
+    }
+
+
 def _own(p: Point) -> float:
     """T_a: the step less the round trip, which lasts at least T_f (the
     attention may find the FFN output there already when it asks: on shared
@@ -295,8 +334,11 @@ def build_profile(
     remote_layers: int,
     kv_attention: int | None,
     kv_plain: int | None,
+    tp: dict[int, Sequence[Point]] | None = None,
+    kv_tp: dict[int, int | None] | None = None,
 ) -> Profile:
-    """The model's curves from measured points (pure)."""
+    """The model's curves from measured points (pure); ``tp``: plain vLLM's
+    points per tensor-parallel size."""
     contexts = sorted({p.context for p in afd})
     prof = Profile(
         platform=platform,
@@ -306,10 +348,9 @@ def build_profile(
             c: Curve.of((p.batch, _own(p)) for p in afd if p.context == c)
             for c in contexts
         },
-        colocated={
-            c: Curve.of((p.batch, p.tpot_s) for p in plain if p.context == c)
-            for c in sorted({p.context for p in plain})
-        },
+        colocated=_by_context(plain),
+        colocated_tp={n: _by_context(pts) for n, pts in (tp or {}).items()},
+        kv_tokens_colocated_tp=dict(kv_tp or {}),
         ffn=Curve.of((p.batch, p.ffn_s) for p in afd),
         comm=Curve.of((p.batch, max(p.wait_s - p.ffn_s, 0.0)) for p in afd),
         kv_tokens_attention=kv_attention,
