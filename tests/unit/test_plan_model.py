@@ -309,3 +309,20 @@ def test_log_watch_keeps_the_tp_servers_kv_apart() -> None:
     log.write("[plain] INFO ... KV cache size: 999 tokens\n")
     log.write(f"[{_tp_name(2)}] INFO ... KV cache size: 2,000 tokens\n")
     assert log.kv_of("plain") == 999 and log.kv_of(_tp_name(2)) == 2000
+
+
+def test_balanced_routing_is_vllms_routing_simulation(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(plan_cli.ROUTING_ENV, raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    args = _args()
+    args.model = str(tmp_path)
+    assert plan_cli.routing_strategy(args) == ""  # the model's router
+    key = plan_cli.cache_key(args, "cpu", {})
+    balanced = _args("--routing", "balanced")
+    balanced.model = str(tmp_path)
+    assert plan_cli.routing_strategy(balanced) == "uniform_random"
+    assert plan_cli.cache_key(balanced, "cpu", {}) != key
+    # a strategy set in the environment reaches every server: it is measured
+    monkeypatch.setenv(plan_cli.ROUTING_ENV, "Normal_Routing")
+    assert plan_cli.routing_strategy(args) == "normal_routing"
+    assert plan_cli.cache_key(args, "cpu", {}) != key

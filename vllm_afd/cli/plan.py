@@ -54,6 +54,11 @@ from vllm_afd.topology import Topology
 
 #: bumped when what the cache holds changes meaning
 CACHE_VERSION = 1
+#: vLLM's own routing simulation (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``):
+#: every router picks top-k experts uniformly at random, so the experts are
+#: loaded evenly whatever the weights and prompts
+ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+BALANCED = "uniform_random"
 
 
 def _ints(flag: str):
@@ -119,6 +124,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also measure plain vLLM with these tensor-parallel sizes (each "
         ">= 2, over that many devices) as colocated baselines; the best one "
         "that fits --devices is the reference",
+    )  # fmt: skip
+    p.add_argument(
+        "--routing", choices=("model", "balanced"), default="model",
+        help="model: the experts the model's router picks for the measured "
+        "prompts; balanced: every server routes uniformly at random (vLLM's "
+        f"{ROUTING_ENV}={BALANCED}), the experts loaded evenly",
     )  # fmt: skip
     p.add_argument("--gate-on-attention", action="store_true")
     p.add_argument("--connector-extra-config", type=json.loads, default={})
@@ -207,10 +218,20 @@ def cache_key(args: argparse.Namespace, platform: str, where: dict[str, Any]) ->
         "decode": args.decode_tokens,
         "repeats": args.repeats,
         "tp_baselines": args.tp_baselines,
+        "routing": routing_strategy(args),
         "platform": platform,
         **{k: where.get(k) for k in ("device", "vllm", "vllm_afd", "torch")},
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def routing_strategy(args: argparse.Namespace) -> str:
+    """What every server this run starts routes by: ``--routing balanced``
+    sets vLLM's routing simulation; otherwise whatever the environment says
+    (empty: the model's router)."""
+    if args.routing == "balanced":
+        return BALANCED
+    return os.environ.get(ROUTING_ENV, "").lower()
 
 
 def _cache_path(args: argparse.Namespace, key: str) -> Path:
@@ -513,6 +534,11 @@ def run_plan(args: argparse.Namespace) -> int:
             _note(f"--check-topologies {cand.name} needs {cand.devices} GPUs, "
                   f"{gpus} are visible")  # fmt: skip
             return 2
+    routing = routing_strategy(args)
+    if args.routing == "balanced":
+        os.environ[ROUTING_ENV] = BALANCED  # every server started from here
+    elif routing:
+        _note(f"{ROUTING_ENV}={routing} is set: every server routes by it")
     where = bench_report.provenance(["vllm-afd", *getattr(args, "argv", [])])
     key = cache_key(args, platform, where)
     path = _cache_path(args, key)
@@ -540,6 +566,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = make_plan(prof, devices, args.context_lens, args.batch_sizes,
                          _slo(args), args.max_ubatches)  # fmt: skip
         unit = "tok/s/host" if prof.shared_cores else "tok/s/device"
+        print(f"routing: {routing or 'the model router'}")
         print(format_profile(prof, points["afd"]))
         print(format_plan(plan, unit), flush=True)
         checked = check(args, spec, prof, plan, gpus, log) if args.check else []
@@ -557,6 +584,7 @@ def run_plan(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({
             "profile": prof.to_json(), "points": points,
             "plan": plan.to_json(), "check": checked, "devices": devices,
+            "routing": routing or "model",
             "provenance": where,
         }, indent=1))  # fmt: skip
         _note(f"wrote {args.json}")
