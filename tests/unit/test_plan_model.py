@@ -326,3 +326,15 @@ def test_balanced_routing_is_vllms_routing_simulation(tmp_path, monkeypatch) -> 
     monkeypatch.setenv(plan_cli.ROUTING_ENV, "Normal_Routing")
     assert plan_cli.routing_strategy(args) == "normal_routing"
     assert plan_cli.cache_key(args, "cpu", {}) != key
+
+
+def test_one_gpu_is_a_shared_device_like_one_hosts_cores() -> None:
+    one = _profile("cuda-shared")
+    assert one.shared_cores and one.unit == "tok/s/GPU"
+    assert _profile("cpu").unit == "tok/s/host" and _profile().unit == "tok/s/device"
+    p = predict(one, Candidate(1, 1), 128, 8)
+    assert p.step_s == pytest.approx(one.attention[128](8) + 5e-5 + one.ffn(8))
+    assert p.tokens_per_s_per_device == pytest.approx(8 / p.step_s)  # per GPU
+    assert predict(one, Candidate(2, 1), 128, 8).step_s == pytest.approx(
+        predict(_profile("cpu"), Candidate(2, 1), 128, 8).step_s
+    )

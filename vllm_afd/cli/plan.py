@@ -34,6 +34,7 @@ from vllm_afd.cli.launch import (
     tensor_parallel_size,
 )
 from vllm_afd.cli.plan_model import (
+    SHARED_PLATFORMS,
     Candidate,
     Plan,
     Prediction,
@@ -509,7 +510,8 @@ def run_plan(args: argparse.Namespace) -> int:
         _note(problem)
         return 2
     gpus = _gpus()
-    platform = "cuda" if gpus else "cpu"
+    # one GPU: every role on it, like one host's cores
+    platform = "cpu" if gpus == 0 else "cuda-shared" if gpus == 1 else "cuda"
     if platform == "cpu" and args.max_ubatches > 1:
         args.max_ubatches = 1  # vLLM's CPU runner has no micro-batches
     devices = args.devices or (gpus if gpus >= 2 else 4)
@@ -557,6 +559,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 spec, args.context_lens, args.batch_sizes, args.decode_tokens,
                 platform, seed=args.seed, repeats=args.repeats,
                 tp_baselines=args.tp_baselines, log=log, note=_note,
+                measure_sharing=platform in SHARED_PLATFORMS and devices >= 3,
             )  # fmt: skip
             points = {k: _points_json(v) for k, v in measured.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -565,7 +568,7 @@ def run_plan(args: argparse.Namespace) -> int:
             }, indent=1))  # fmt: skip
         plan = make_plan(prof, devices, args.context_lens, args.batch_sizes,
                          _slo(args), args.max_ubatches)  # fmt: skip
-        unit = "tok/s/host" if prof.shared_cores else "tok/s/device"
+        unit = prof.unit
         print(f"routing: {routing or 'the model router'}")
         print(format_profile(prof, points["afd"]))
         print(format_plan(plan, unit), flush=True)

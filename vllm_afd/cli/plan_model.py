@@ -20,7 +20,7 @@ FFN rank k serves n_k attention ranks (blocks of ceil(x/y) or floor(x/y),
     separate devices, m >= 2:       u = b/m, per micro-batch a = T_a(u),
                                     f = T_c(u) + T_f(n*u)
                                     step = m*max(a, f) + min(a, f)
-    one host's cores (CPU):         the roles share the cores, so nothing
+    one device (CPU, one GPU):      the roles share the device, so nothing
                                     overlaps and concurrent ranks add up:
                                     step = m*(x*T_a(u) + T_c(u) + y*T_f(n*u))
                                            + (x-1)*S(b)
@@ -31,9 +31,10 @@ FFN rank k serves n_k attention ranks (blocks of ceil(x/y) or floor(x/y),
 
 ``T_f(n*u)`` at small ``u`` keeps its intercept (the expert weights read
 once per call), so the model charges micro-batches their re-reads. Tokens
-per second per device: ``x*b / step / (x+y)`` on GPUs; on CPU the host is
-the device (``x*b / step``). The colocated baselines are plain vLLM on one
-device with data-parallel replicas, ``b / T_p(b)`` per device, and, where
+per second per device: ``x*b / step / (x+y)`` on GPUs; where every role
+shares one device (a CPU host, one GPU) per that device (``x*b / step``).
+The colocated baselines are plain vLLM on one device with data-parallel
+replicas, ``b / T_p(b)`` per device, and, where
 measured (``--tp-baselines``), plain vLLM with tensor parallelism N over N
 devices, ``b / T_pN(b) / N`` per device (per host on shared cores:
 ``b / T_pN(b)``); the best that fits is the reference. Expert parallelism is
@@ -54,6 +55,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from vllm_afd.topology import Topology
+
+#: platforms where every role shares one device: the model adds the parts
+SHARED_PLATFORMS = ("cpu", "cuda-shared")
 
 
 class Bound(enum.Enum):
@@ -103,8 +107,9 @@ class Profile:
     """What ``plan`` measured on one model and machine.
 
     Attributes:
-        platform: ``cuda`` (roles on separate devices) or ``cpu`` (roles share
-            one host's cores).
+        platform: ``cuda`` (roles on separate devices), ``cuda-shared``
+            (every role on one GPU) or ``cpu`` (roles share one host's cores);
+            on the shared ones nothing overlaps and concurrent ranks add up.
         remote_layers: layers that cross the connector per step.
         decode_tokens: tokens each measured request generated.
         attention: ``{context: T_a(batch)}``.
@@ -136,7 +141,15 @@ class Profile:
 
     @property
     def shared_cores(self) -> bool:
-        return self.platform == "cpu"
+        """Every role runs on one device (one host's cores, or one GPU)."""
+        return self.platform in SHARED_PLATFORMS
+
+    @property
+    def unit(self) -> str:
+        """What throughput is counted per."""
+        return {"cpu": "tok/s/host", "cuda-shared": "tok/s/GPU"}.get(
+            self.platform, "tok/s/device"
+        )
 
     def to_json(self) -> dict:
         def c(curve: Curve) -> list[list[float]]:

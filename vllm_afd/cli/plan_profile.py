@@ -211,18 +211,20 @@ def profile(
     seed: int = 0,
     repeats: int = 1,
     tp_baselines: Sequence[int] = (),
+    measure_sharing: bool = False,
     log: LogWatch | None = None,
     note: Callable[[str], None] | None = None,
 ) -> tuple[Profile, dict[str, list[Point]]]:
     """Measure every point on 1A1F AFD, on plain vLLM (``spec``'s model and
     vLLM arguments; also with each tensor-parallel size of ``tp_baselines``)
-    and, on shared cores, on 2A1F AFD, each ``repeats`` times (medians); the
-    profile and the points by phase."""
+    and, with ``measure_sharing`` (every role on one device, and deployments
+    of more than one attention rank to predict), on 2A1F AFD, each
+    ``repeats`` times (medians); the profile and the points by phase."""
     log = log or LogWatch()
     say = note or (lambda s: print(f"vllm-afd plan: {s}", file=sys.stderr, flush=True))
     grid = [(c, b) for c in contexts for b in batches]
     tp_phases = [f"plain_tp{n}" for n in tp_baselines]
-    phases = ["afd", "plain", *tp_phases, *(["shared"] if platform == "cpu" else [])]
+    phases = ["afd", "plain", *tp_phases, *(["shared"] if measure_sharing else [])]
     counter = iter(range(1, len(grid) * len(phases) + 1))
     points: dict[str, list[Point]] = {}
 
