@@ -157,7 +157,7 @@ class _Kept:
         # [peer, 0 = sent / 1 = seen, slot]
         self.seq = torch.zeros((peers, 2, slots), dtype=torch.int64, device=device)
         self.failed = torch.zeros(1, dtype=torch.int64, device=device)
-        # sm copies: how many programs of a send or receive finished
+        # sm copies: how many programs of a send finished
         self.tickets = torch.zeros((peers, slots), dtype=torch.int32, device=device)
         self.record = torch.zeros(4, dtype=torch.int64, pin_memory=True)
         self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -179,7 +179,9 @@ _KEPT_LOCK = threading.Lock()
 def _kept_for(
     device: torch.device, peers: tuple[int, ...], lay: layout.Layout
 ) -> _Kept:
-    """A kept set no open plane uses (made on first need)."""
+    """A kept set no open plane uses (made on first need). A reused set
+    stays aborted, as its last plane left it, until :meth:`resume`: graph
+    replays of the lost session may still run on it."""
     with _KEPT_LOCK:
         sets = _KEPT.setdefault((str(device), peers, lay), [])
         for kept in sets:
