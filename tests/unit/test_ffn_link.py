@@ -140,12 +140,12 @@ def test_a_rejoined_connector_resumes_before_any_step_uses_it(monkeypatch):
     per rejoin, while the link is still down and no step can start."""
     monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
     loop, att = _served_pair()
-    loops, seen = [loop], []
+    # Built by this thread, which lives on: a loopback endpoint whose
+    # threads all ended counts as exited (the rejoin thread ends first).
+    new_loop, new_att = _served_pair()
+    loops, seen = [loop, new_loop], []
 
     def reconnect():
-        new_loop, new_att = _served_pair()
-        loops.append(new_loop)
-
         def resume() -> None:
             entered = threading.Event()
 
