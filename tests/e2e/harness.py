@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -527,3 +529,35 @@ def stream_until_error(
         out["exception"] = repr(e)
     out["ended"] = time.monotonic()
     out["events"] = events
+
+
+def kill_ffn_mid_stream(
+    afd: Deployment, model: str, timeout_s: float, max_tokens: int = 400
+) -> dict[str, float]:
+    """SIGKILL the FFN server after the first token of a long stream: the
+    stream ends with an error within ``timeout_s`` and ``/health`` answers
+    503 naming ``ffn rank 0`` within it too. Seconds from the kill to each."""
+    import pytest
+
+    url = afd.api_url
+    first, outcome = threading.Event(), {}
+    stream = threading.Thread(
+        target=stream_until_error, args=(url, model, first, outcome, max_tokens)
+    )
+    stream.start()
+    if not first.wait(60):
+        stream.join(5)
+        pytest.fail(f"no streamed token before the kill: {outcome}")
+    killed = time.monotonic()
+    os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+    stream.join(timeout_s + 30)
+    assert not stream.is_alive(), "the in-flight stream hung"
+    figures = {"stream error": outcome["ended"] - killed}
+    assert figures["stream error"] <= timeout_s, figures
+    last = outcome["events"][-1]
+    assert "error" in last and len(outcome["events"]) < max_tokens, last
+    wait_for(lambda: http_get(f"{url}/health")[0] == 503, timeout_s, "/health 503")
+    figures["/health 503"] = time.monotonic() - killed
+    code, text = http_get(f"{url}/health")
+    assert code == 503 and "ffn rank 0" in text, text
+    return figures

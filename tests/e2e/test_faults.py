@@ -40,6 +40,7 @@ from harness import (
     assert_same_outputs,
     complete,
     http_get,
+    kill_ffn_mid_stream,
     make_spec,
     plain_outputs,
     print_log_tail,
@@ -47,7 +48,6 @@ from harness import (
     run_workload,
     served_model,
     start,
-    stream_until_error,
     wait_for,
 )
 
@@ -122,27 +122,8 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         attention_pid = afd.attention.proc.pid
 
         # 1. SIGKILL mid-stream, restarted by the supervisor under load.
-        first, outcome = threading.Event(), {}
-        stream = threading.Thread(
-            target=stream_until_error, args=(url, name, first, outcome)
-        )
-        stream.start()
-        assert first.wait(60), "no streamed token before the kill"
         with Supervisor(afd) as supervisor:
-            killed = time.monotonic()
-            os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
-            stream.join(TIMEOUT_S + 30)
-            assert not stream.is_alive(), "the in-flight stream hung"
-            figures["stream error"] = outcome["ended"] - killed
-            assert outcome["ended"] - killed <= TIMEOUT_S
-            last = outcome["events"][-1]
-            assert "error" in last and len(outcome["events"]) < 400, last
-            wait_for(
-                lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S, "/health 503"
-            )
-            figures["/health 503"] = time.monotonic() - killed
-            code, text = http_get(f"{url}/health")
-            assert code == 503 and "ffn rank 0" in text, text
+            figures.update(kill_ffn_mid_stream(afd, name, TIMEOUT_S))
             stop, seen = threading.Event(), []
             load = threading.Thread(
                 target=_requests_during, args=(url, name, stop, seen)

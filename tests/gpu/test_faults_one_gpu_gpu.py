@@ -14,10 +14,6 @@ the attention role's graphs point at are its own, so one lifetime covers:
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,13 +22,13 @@ from harness import (
     Supervisor,
     assert_same_outputs,
     http_get,
+    kill_ffn_mid_stream,
     plain_outputs,
     print_log_tail,
     prompts,
     run_workload,
     served_model,
     start,
-    stream_until_error,
     wait_for,
 )
 
@@ -64,26 +60,8 @@ def test_attention_survives_its_ffn_on_one_gpu_with_graphs(
         name = served_model(url)
         assert_same_outputs(run_workload(url, name, TEXTS), plain, ATOL)
         attention_pid = afd.attention.proc.pid
-        first, outcome = threading.Event(), {}
-        stream = threading.Thread(
-            target=stream_until_error, args=(url, name, first, outcome, 460)
-        )
-        stream.start()
-        if not first.wait(60):
-            stream.join(5)
-            pytest.fail(f"no streamed token before the kill: {outcome}")
         with Supervisor(afd) as supervisor:
-            killed = time.monotonic()
-            os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
-            stream.join(TIMEOUT_S + 30)
-            assert not stream.is_alive(), "the in-flight stream hung"
-            figures["stream error"] = outcome["ended"] - killed
-            last = outcome["events"][-1]
-            assert "error" in last and len(outcome["events"]) < 460, last
-            wait_for(lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S, "503")
-            figures["/health 503"] = time.monotonic() - killed
-            code, text = http_get(f"{url}/health")
-            assert code == 503 and "ffn rank 0" in text, text
+            figures.update(kill_ffn_mid_stream(afd, name, TIMEOUT_S, 460))
             figures["FFN restarted, healthy"] = wait_for(
                 afd.ffn.healthy, 300, "the restarted FFN rank"
             )

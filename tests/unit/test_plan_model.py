@@ -280,11 +280,14 @@ def test_build_profile_keeps_tp_baselines_apart() -> None:
     assert "plain vLLM TP2 step: context 64 batch 1: 5.00 ms; KV capacity 30" in text
 
 
-def test_tp_baselines_flag_is_checked(tmp_path, capsys) -> None:
+def test_tp_baselines_flag_is_checked(tmp_path, capsys, monkeypatch) -> None:
     (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(plan_cli, "_gpus", lambda: 0)
+    monkeypatch.setattr(plan_cli.os, "sched_getaffinity", lambda pid: set(range(6)))
     for argv, error in [
         (("--tp-baselines", "1"), "sizes must be >= 2"),
-        (("--tp-baselines", "8", "--devices", "4"), "needs 8 devices"),
+        (("--tp-baselines", "8", "--devices", "9"), "needs 8 CPU cores, 6 are"),
+        (("--tp-baselines", "6", "--devices", "4"), "needs 6 devices"),
     ]:
         args = _args(*argv)
         args.model = str(tmp_path)
@@ -338,3 +341,12 @@ def test_one_gpu_is_a_shared_device_like_one_hosts_cores() -> None:
     assert predict(one, Candidate(2, 1), 128, 8).step_s == pytest.approx(
         predict(_profile("cpu"), Candidate(2, 1), 128, 8).step_s
     )
+
+
+def test_cpu_tp_workers_get_equal_shares_of_the_cores() -> None:
+    from vllm_afd.cli.plan_profile import cpu_bind
+
+    assert cpu_bind(2, [0, 1]) == "0|1"
+    assert cpu_bind(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    with pytest.raises(ValueError, match="3 CPU workers need 3 cores, 2 here"):
+        cpu_bind(3, [4, 5])

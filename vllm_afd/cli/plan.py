@@ -521,6 +521,10 @@ def run_plan(args: argparse.Namespace) -> int:
         _note(f"--devices={devices} but {gpus} GPUs are visible; give at most {gpus}")
         return 2
     for n in args.tp_baselines:
+        cores = len(os.sched_getaffinity(0))
+        if not gpus and n > cores:
+            _note(f"--tp-baselines {n} needs {n} CPU cores, {cores} are usable")
+            return 2
         if gpus and n > gpus:
             _note(f"--tp-baselines {n} needs {n} GPUs, {gpus} are visible")
             return 2

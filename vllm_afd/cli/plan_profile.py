@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import statistics
 import sys
@@ -289,7 +290,31 @@ def _plain(spec: DeploymentSpec, tp: int, log: LogWatch) -> PlainServer:
     if spec.attention_devices is not None:  # GPUs: the first tp of them
         gpus = ",".join(str(i) for i in range(tp))
         tp_spec = dataclasses.replace(tp_spec, attention_devices=gpus, ffn_devices=None)
-    return PlainServer(tp_spec, log=log, name=_tp_name(tp))
+    server = PlainServer(tp_spec, log=log, name=_tp_name(tp))
+    env = server.process.env
+    if spec.attention_devices is None and BIND_ENV not in env:
+        # vLLM's CPU workers bind per NUMA node, and refuse more workers
+        # than nodes: give each its share of this process's cores
+        env[BIND_ENV] = cpu_bind(tp, sorted(os.sched_getaffinity(0)))
+    return server
+
+
+#: vLLM's thread binding of CPU workers
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_bind(workers: int, cores: Sequence[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` an equal,
+    consecutive share of ``cores`` (e.g. ``0|1``)."""
+    share = len(cores) // workers
+    if share < 1:
+        raise ValueError(
+            f"{workers} CPU workers need {workers} cores, {len(cores)} here"
+        )
+    return "|".join(
+        ",".join(str(c) for c in cores[i * share : (i + 1) * share])
+        for i in range(workers)
+    )
 
 
 @contextlib.contextmanager
