@@ -39,6 +39,7 @@ from harness import (
     Supervisor,
     assert_same_outputs,
     complete,
+    health_down,
     http_get,
     kill_ffn_mid_stream,
     make_spec,
@@ -162,10 +163,11 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         stopped = time.monotonic()
         os.killpg(afd.ffn.proc.pid, signal.SIGSTOP)
         seen_down = wait_for(
-            lambda: http_get(f"{url}/health")[0] == 503, TIMEOUT_S + 2, "/health 503"
+            lambda: health_down(url, "heartbeat"),
+            TIMEOUT_S + 2,
+            "/health 503 naming the missing heartbeat",
         )
         figures["hung FFN detected"] = seen_down
-        assert "heartbeat" in http_get(f"{url}/health")[1]
         os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
         afd.ffn.proc.wait(30)
         right_argv = list(afd.ffn.argv)
