@@ -291,6 +291,9 @@ def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
         for ffn in (ffn0, ffn1):
             wait_for(lambda f=ffn: f.exit_code() is not None, 60, f"{ffn.name} to stop")
             assert ffn.exit_code() == 0, ffn.name
+    except BaseException:
+        print_log_tail(log)
+        raise
     finally:
         afd.stop()
     FAULT_RESULTS.append(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_ffn_loop import LAYERS, _compute, _pair, _start_all
 
-from vllm_afd.errors import AFDProtocolError
+from vllm_afd.errors import AFDConnectorError, AFDProtocolError
 from vllm_afd.models.exchange import AttentionExchange
 from vllm_afd.worker import ffn_link
 from vllm_afd.worker.ffn_link import FFNLink
@@ -171,4 +171,32 @@ def test_a_rejoined_connector_resumes_before_any_step_uses_it(monkeypatch):
         assert torch.equal(got, _compute(layer, _Batch(hidden)))
     link.close()
     for each in loops:
+        each.stop()
+
+
+def test_a_connector_that_fails_to_resume_is_closed_and_the_rendezvous_retried(
+    monkeypatch,
+):
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    loop, att = _served_pair()
+    bad_loop, bad = _served_pair()
+    good_loop, good = _served_pair()
+    closed = []
+
+    def refuse() -> None:
+        raise AFDConnectorError("the data plane failed before its first step")
+
+    bad.resume = refuse
+    bad_close = bad.close
+    bad.close = lambda *a: (closed.append(True), bad_close(*a))
+    offers = iter([bad, good])
+    link = FFNLink(att, lambda: next(offers), attention_rank=0, ffn_rank=0)
+    exchange = AttentionExchange(None, link=link)
+    link.lost("ffn rank 0 closed its connection")
+    _wait(lambda: link.state.up)
+    assert closed and link.connector is good and link.state.rejoins == 1
+    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
+        assert torch.equal(got, _compute(layer, _Batch(hidden)))
+    link.close()
+    for each in (loop, bad_loop, good_loop):
         each.stop()

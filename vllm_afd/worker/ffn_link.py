@@ -159,8 +159,19 @@ class FFNLink:
             time.sleep(RETRY_S)
 
     def _install(self, connector: AttentionEndpoint) -> bool:
+        """Serve through ``connector``; False when closed meanwhile or when
+        it failed before its first step (the caller retries)."""
         with self._steps:  # no step runs while the data plane starts anew
-            connector.resume()
+            try:
+                connector.resume()
+            except AFDError as e:
+                logger.warning(
+                    "AFD attention rank %d: the new connector failed before its "
+                    "first step, rendezvous again: %s",
+                    self.state.attention_rank, e,
+                )  # fmt: skip
+                connector.close()
+                return False
         with self._lock:
             if self._closed:
                 connector.close()
