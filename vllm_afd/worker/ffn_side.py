@@ -214,9 +214,14 @@ class FFNSideMixin(AFDRunnerMixin):
             self.afd_profiler.close()  # on the loop's thread, which traced
         if error is None and envs.keep_ffn_alive():
             return
-        self._afd_stop_server(
-            "attention peers shut down" if error is None else f"loop failed: {error}"
-        )
+        why = "attention peers shut down" if error is None else f"loop failed: {error}"
+        if error is None and connector is not None:
+            # Say so to the session's members now (FFN rank 0: the ranks not
+            # served by it): a member that only saw this process's sockets
+            # close, later, when the server is gone, would take it for a
+            # crash and rendezvous again instead of stopping.
+            connector.close(f"ffn rank {endpoint.role_rank} stops: {why}")
+        self._afd_stop_server(why)
 
     def _afd_stop_server(self, why: str) -> None:
         pid = envs.server_pid()
