@@ -350,3 +350,35 @@ def test_cpu_tp_workers_get_equal_shares_of_the_cores() -> None:
     assert cpu_bind(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
     with pytest.raises(ValueError, match="3 CPU workers need 3 cores, 2 here"):
         cpu_bind(3, [4, 5])
+
+
+def test_a_stalled_short_run_is_measured_again_then_refused(monkeypatch) -> None:
+    from vllm_afd.cli import plan_profile
+
+    # (short, long) wall seconds per attempt; the first pair is a stall
+    times = iter([1.10, 0.79, 0.20, 0.64])
+    asked: list[int] = []
+
+    def duration(url, served, reqs, what):
+        asked.append(reqs[0])  # the output length (see below)
+        return next(times)
+
+    # no server here: a request is its output length
+    monkeypatch.setattr(plan_profile, "_requests", lambda *a: [a[4]] * a[3])
+    monkeypatch.setattr(plan_profile, "_duration", duration)
+    notes: list[str] = []
+    calls: list[int] = []
+    step = plan_profile.decode_step(
+        "u", "m", 1, 32, 24, 0, "AFD c=32 b=1", between=lambda: calls.append(1),
+        note=notes.append,
+    )  # fmt: skip
+    assert step == pytest.approx((0.64 - 0.20) / 22)
+    assert asked == [2, 24, 2, 24] and len(calls) == 6
+    assert notes == [
+        "AFD c=32 b=1: 24 output tokens took no longer than 2 (0.790s vs "
+        "1.100s); measuring again (2 of 3)"
+    ]
+    times = iter([1.0, 0.5] * plan_profile.ATTEMPTS)
+    with pytest.raises(RuntimeError, match=r"no longer than 2 in 3 tries .*"
+                       r"raise --decode-tokens$"):  # fmt: skip
+        plan_profile.decode_step("u", "m", 1, 32, 24, 0, "x")

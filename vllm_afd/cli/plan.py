@@ -379,7 +379,7 @@ def _measured_step(
     n = cand.attention_ranks * batch
     steps = [
         decode_step(url, served, n, context, args.decode_tokens,
-                    args.seed + 1 + 10 * k, f"--check {cand.name}")
+                    args.seed + 1 + 10 * k, f"--check {cand.name}", note=_note)
         for k in range(args.repeats)
     ]  # fmt: skip
     return statistics.median(steps)

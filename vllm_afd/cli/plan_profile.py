@@ -102,45 +102,64 @@ def _duration(url: str, served: str, reqs: list[Request], what: str) -> float:
 #: output tokens of the short run of a point (prefill and one decode step)
 SHORT = 2
 
+#: times a point whose long run was not slower than its short run is
+#: measured before :func:`decode_step` gives up
+ATTEMPTS = 3
+
 
 def decode_step(
     url: str, served: str, n: int, context: int, decode_tokens: int, seed: int,
     what: str, between: Callable[[], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> float:  # fmt: skip
     """Seconds per decode step of ``n`` concurrent sequences of ``context``
     tokens: the wall time of a run of ``decode_tokens`` output tokens less
     that of a run of :data:`SHORT`, over the extra steps (prefill, the same
     in both, cancels out). ``between`` runs before, between and after the
-    two runs (counter reads)."""
-    short = _requests(url, served, context, n, SHORT, seed)
-    long = _requests(url, served, context, n, decode_tokens, seed + 1)
+    two runs (counter reads: the last three calls belong to the returned
+    figure). A pair whose long run was not slower (a stall of the machine
+    during the short one) is measured again, up to :data:`ATTEMPTS` times,
+    each retry told to ``note``."""
     step = between or (lambda: None)
-    step()
-    t_short = _duration(url, served, short, what)
-    step()
-    t_long = _duration(url, served, long, what)
-    step()
-    if t_long <= t_short:
-        raise RuntimeError(
-            f"{what}: {decode_tokens} output tokens took no longer than {SHORT} "
-            f"({t_long:.3f}s vs {t_short:.3f}s): the machine is too noisy to time "
-            "decode steps; raise --decode-tokens or --repeats"
-        )
-    return (t_long - t_short) / (decode_tokens - SHORT)
+    times: list[tuple[float, float]] = []
+    for attempt in range(ATTEMPTS):
+        sd = seed + 1000 * attempt
+        short = _requests(url, served, context, n, SHORT, sd)
+        long = _requests(url, served, context, n, decode_tokens, sd + 1)
+        step()
+        t_short = _duration(url, served, short, what)
+        step()
+        t_long = _duration(url, served, long, what)
+        step()
+        if t_long > t_short:
+            return (t_long - t_short) / (decode_tokens - SHORT)
+        times.append((t_long, t_short))
+        if note and attempt + 1 < ATTEMPTS:
+            note(
+                f"{what}: {decode_tokens} output tokens took no longer than "
+                f"{SHORT} ({t_long:.3f}s vs {t_short:.3f}s); measuring again "
+                f"({attempt + 2} of {ATTEMPTS})"
+            )
+    pairs = ", ".join(f"{a:.3f}s vs {b:.3f}s" for a, b in times)
+    raise RuntimeError(
+        f"{what}: {decode_tokens} output tokens took no longer than {SHORT} in "
+        f"{ATTEMPTS} tries ({pairs}): the machine is too noisy to time decode "
+        "steps; raise --decode-tokens"
+    )
 
 
 def measure_afd_point(
     url: str, ffn_urls: list[str], served: str, context: int, batch: int,
-    decode_tokens: int, seed: int,
+    decode_tokens: int, seed: int, note: Callable[[str], None] | None = None,
 ) -> Point:  # fmt: skip
     """T_a, T_f and the round trip of one point (see the module doc)."""
     what = f"AFD c={context} b={batch}"
     reads: list[dict] = []
     tpot = decode_step(
         url, served, batch, context, decode_tokens, seed, what,
-        between=lambda: reads.append(settled_counters(url, ffn_urls)),
+        between=lambda: reads.append(settled_counters(url, ffn_urls)), note=note,
     )  # fmt: skip
-    c0, c1, c2 = reads
+    c0, c1, c2 = reads[-3:]
 
     def d(name: str, role: str) -> float:
         def total(c: dict) -> float:
@@ -164,12 +183,13 @@ def measure_afd_point(
 
 
 def measure_plain_point(
-    url: str, served: str, context: int, batch: int, decode_tokens: int, seed: int
-) -> Point:
+    url: str, served: str, context: int, batch: int, decode_tokens: int, seed: int,
+    note: Callable[[str], None] | None = None,
+) -> Point:  # fmt: skip
     what = f"plain c={context} b={batch}"
     return Point(
         context, batch, decode_step(url, served, batch, context, decode_tokens,
-                                    seed, what)
+                                    seed, what, note=note)
     )  # fmt: skip
 
 
@@ -244,7 +264,7 @@ def profile(
     say("starting AFD 1A1F to measure both roles ...")
     with _afd(spec, 1, log, contexts, decode_tokens) as (url, ffn_urls, served):
         points["afd"] = each("AFD 1A1F", lambda c, b, sd: measure_afd_point(
-            url, ffn_urls, served, c, b, decode_tokens, sd))  # fmt: skip
+            url, ffn_urls, served, c, b, decode_tokens, sd, say))  # fmt: skip
     split = log.split
     for n in (1, *tp_baselines):
         what = "plain vLLM" if n == 1 else f"plain vLLM TP{n}"
@@ -254,14 +274,14 @@ def profile(
             warm_up(plain.url, served, min(contexts), 2)
             points["plain" if n == 1 else f"plain_tp{n}"] = each(
                 what, lambda c, b, sd, url=plain.url, served=served:
-                measure_plain_point(url, served, c, b, decode_tokens, sd),
+                measure_plain_point(url, served, c, b, decode_tokens, sd, say),
             )  # fmt: skip
     if "shared" in phases:
         say("starting AFD 2A1F to measure what sharing the cores costs ...")
         with _afd(spec, 2, log, contexts, decode_tokens) as (url, _, served):
             points["shared"] = each("AFD 2A1F", lambda c, b, sd: Point(
                 c, b, decode_step(url, served, 2 * b, c, decode_tokens, sd,
-                                  f"AFD 2A1F c={c} b={b}")))  # fmt: skip
+                                  f"AFD 2A1F c={c} b={b}", note=say)))  # fmt: skip
     prof = build_profile(
         points["afd"], points["plain"], platform, decode_tokens,
         shared=points.get("shared", ()),
