@@ -28,6 +28,7 @@ from vllm_afd.errors import (  # noqa: E402
     AFDConnectorError,
     AFDPeerError,
     AFDProtocolError,
+    AFDTimeoutError,
 )
 
 CONNECTORS = registered_names()
@@ -207,6 +208,37 @@ def test_stats_and_async_handles(connector):
     assert att.stats.f2a_bytes == nbytes and ffn.stats.f2a_bytes == nbytes
     att.close()
     assert ffn.recv_plan() is None
+    ffn.close()
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_the_first_served_step_waits_up_to_warmup_timeout_s(connector):
+    """Its shapes run for the first time (lazily built kernels): a wait of
+    the first EAGER step may last warmup_timeout_s, later ones timeout_s."""
+    sc = S.Scenario(connector, S.free_port(), 1, 1, timeout_s=0.3)
+    limits = {"warmup_timeout_s": 3.0}
+    att = S._connector(sc, "attention", 0, **limits)
+    ffn = S._connector(sc, "ffn", 0, **limits)
+    t = threading.Thread(target=att.start)
+    t.start()
+    ffn.start()
+    t.join()
+    hidden = torch.ones(1, sc.hidden)
+    att.send_plan(StepPlan(0, ExecMode.EAGER, (1,)))
+    assert ffn.recv_plan().step_id == 0
+    late = threading.Timer(0.8, lambda: att.send_a2f(0, 0, hidden))
+    late.start()
+    assert torch.equal(ffn.recv_a2f(0, 0).hidden, hidden)  # 0.8 s > timeout_s
+    late.join()
+    ffn.send_f2a(0, 0, hidden).wait()
+    assert torch.equal(att.irecv_f2a(0, 0).wait(), hidden)
+    att.send_plan(StepPlan(1, ExecMode.EAGER, (1,)))
+    assert ffn.recv_plan().step_id == 1
+    t0 = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match=r"timed out after 0.3s waiting"):
+        ffn.recv_a2f(0, 0)
+    assert time.monotonic() - t0 < 2.0
+    att.close()
     ffn.close()
 
 

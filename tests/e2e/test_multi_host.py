@@ -5,6 +5,10 @@ network stack, one address on a shared bridge), started by the same
 * 2A1F: attention rank 0 on host 0 (API), rank 1 on host 1 (vLLM headless
   data parallelism), the FFN on host 2;
 * 2A2F: attention as in 2A1F, FFN rank 0 on host 2, FFN rank 1 on host 1.
+  Then FFN rank 1, beside the headless attention rank, is SIGKILLed: its
+  host's launcher restarts it, the API host's ``/health`` answers 503 (its
+  own rank's FFN rank re-forms the deployment) until every rank has
+  rejoined, and the output is exact again.
 
 (1A1F across two hosts is the 2A1F case's link from host 0 to host 2, so it is
 not run on its own.) Each is compared token for token with plain vLLM (one
@@ -14,8 +18,11 @@ namespaces go with the test, on every exit path.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from harness import (
@@ -23,11 +30,14 @@ from harness import (
     HOST_RESULTS,
     Collected,
     assert_same_outputs,
+    health_down,
+    http_get,
     make_spec,
     plain_outputs,
     prompts,
     run_workload,
     served_model,
+    wait_for,
 )
 from hosts import emulated_hosts, unavailable
 
@@ -47,10 +57,12 @@ ATOL = 1e-4
 READY = r"^AFD \d+A\d+F ready"
 
 CASES = {
-    # name: (A, F, attention nodes, ffn nodes, hosts)
-    "2A1F-3hosts": (2, 1, "0,1", "2", 3),
-    "2A2F-3hosts": (2, 2, "0,1", "2,1", 3),
+    # name: (A, F, attention nodes, ffn nodes, hosts, node of an FFN to kill)
+    "2A1F-3hosts": (2, 1, "0,1", "2", 3, None),
+    "2A2F-3hosts": (2, 2, "0,1", "2,1", 3, 1),
 }
+#: an FFN restart (after the launcher's 1 s backoff) and the re-form
+RECOVER_S = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +85,48 @@ def _launch_argv(model, a: int, f: int, att: str, ffn: str, addrs: list[str]):
     ]  # fmt: skip
 
 
+def _ffn_server_pid(launcher_pid: int) -> int:
+    """The FFN server that the launcher with pid ``launcher_pid`` started:
+    the outermost process under it with an FFN role's argv (namespaces
+    share this pid space)."""
+    parent, argv = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        pid = int(stat.parent.name)
+        try:
+            parent[pid] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv[pid] = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+    level, seen = [launcher_pid], set()
+    while level:
+        hits = [p for p in level if b'"role": "ffn"' in argv.get(p, b"")]
+        if hits:
+            return hits[0]
+        seen.update(level)
+        level = [p for p, pp in parent.items() if pp in level and p not in seen]
+    raise AssertionError(f"launcher {launcher_pid} runs no FFN server")
+
+
+def _kill_ffn_and_rejoin(node: Collected, url: str, texts, plain) -> dict:
+    """SIGKILL the FFN server of ``node``: its launcher restarts it, the API
+    host's /health answers 503 until the deployment has re-formed, and the
+    output is exact again. Seconds of each part."""
+    pid = _ffn_server_pid(node.proc.pid)
+    killed = time.monotonic()
+    os.killpg(pid, signal.SIGKILL)
+    down = wait_for(lambda: health_down(url, "ffn rank"), 30, "/health 503")
+    node.wait_line(r"restarting it in", 30)
+    node.wait_line(r"starting ffn\d? again", 60)
+    wait_for(lambda: http_get(f"{url}/health")[0] == 200, RECOVER_S, "/health 200")
+    back = time.monotonic() - killed
+    assert_same_outputs(run_workload(url, served_model(url), texts), plain, atol=ATOL)
+    return {"/health 503": down, "serving again": back}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_roles_on_several_hosts_are_exact(model, plain, case):
-    a, f, att, ffn, n = CASES[case]
+    a, f, att, ffn, n, kill_on = CASES[case]
+    fault: dict[str, float] = {}
     with emulated_hosts(n) as (hosts, _mine):
         addrs = [h.address for h in hosts]
         base = _launch_argv(model, a, f, att, ffn, addrs)
@@ -93,6 +144,13 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
             url = f"http://{addrs[0]}:8000"
             assert f"ready: {url}/v1 (node 0 of {n})" in ready, ready
             outputs = run_workload(url, served_model(url), TEXTS)
+            if kill_on is not None:
+                assert_same_outputs(outputs, plain, atol=ATOL)
+                fault = _kill_ffn_and_rejoin(nodes[kill_on], url, TEXTS, plain)
+        except BaseException:
+            for i, node in enumerate(nodes):
+                print(f"--- node {i}:\n" + "".join(node.lines[-80:]))
+            raise
         finally:
             for node in nodes:  # the API node first: its stop tells the FFN
                 node.stop()
@@ -101,4 +159,7 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
     HOST_RESULTS.append(
         f"{case}: {same}/{len(plain)} identical, every node ready "
         f"{started:.0f}s after the launchers started"
+        + "".join(
+            f"; FFN on node {kill_on} SIGKILLed: {k} {v:.1f}s" for k, v in fault.items()
+        )
     )

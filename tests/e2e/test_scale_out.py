@@ -7,6 +7,12 @@ The baseline is one plain vLLM engine with the same TP size.
 ``VLLM_CPU_OMP_THREADS_BIND=0|1`` binds the two TP workers of an engine to
 the two cores (vLLM's automatic binding needs one NUMA node per worker).
 
+In the same lifetime the FFN stalls (SIGSTOP) for longer than the
+connector's ``timeout_s``: the attention rank counts it as lost (``/health``
+503 naming the missing heartbeat) and rendezvous again; once it runs again
+(SIGCONT) the FFN rank, both of its TP ranks, re-forms in place (same
+process: no restart, no weights reloaded) and the output is exact again.
+
 The M:N topologies (2A1F, 2A2F) are checked for exactness in
 ``test_faults.py``, in the same deployments that then lose FFN ranks. The
 tiny DeepSeek-V2 in fp32, eager, keeps CI time down.
@@ -14,15 +20,24 @@ tiny DeepSeek-V2 in fp32, eager, keeps CI time down.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 from harness import (
+    FAULT_RESULTS,
     assert_same_outputs,
+    health_down,
+    http_get,
     make_spec,
     plain_outputs,
+    print_log_tail,
     prompts,
     run_workload,
     served_model,
     start,
+    wait_for,
 )
 
 from vllm_afd.cli.client import afd_metrics
@@ -30,6 +45,8 @@ from vllm_afd.cli.client import afd_metrics
 pytestmark = pytest.mark.e2e
 
 TP2 = ["--tensor-parallel-size", "2"]
+#: connector timeout_s and heartbeat: a stall this long is a lost FFN rank
+TIMEOUT_S, HEARTBEAT_S = 4.0, 0.5
 
 # (id, attention ranks, ffn ranks, vLLM args of every role and the baseline)
 CASES = [
@@ -67,18 +84,60 @@ def test_topology_greedy_output_equals_plain_vllm(
         ["--dtype", "float32", "--enforce-eager", *args],
         attention_ranks=a,
         ffn_ranks=f,
+        connector_extra_config={
+            "timeout_s": TIMEOUT_S,
+            "heartbeat_interval_s": HEARTBEAT_S,
+        },
     )
     texts = prompts(16)
-    afd, _ = start(spec)
+    afd, log = start(spec)
     try:
-        afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
+        url = afd.api_url
+        served = served_model(url)
+        afd_out = run_workload(url, served, texts)
         ffn_steps = [
             afd_metrics(p.url).get(("afd_steps", "ffn", str(k)), 0.0)
             for k, p in enumerate(afd.ffns)
         ]
+        stalled = _stall_ffn(afd, url)
+        again = run_workload(url, served, texts)
+    except BaseException:
+        print_log_tail(log)
+        raise
     finally:
         afd.stop()
     plain_out = _baseline(spec, texts)
-    assert_same_outputs(afd_out, plain_out, atol=1e-5 if a == 1 else MERGED_ATOL)
+    atol = 1e-5 if a == 1 else MERGED_ATOL
+    assert_same_outputs(afd_out, plain_out, atol=atol)
+    assert_same_outputs(again, plain_out, atol=atol)
     # Every FFN rank served steps (each attention rank reaches its FFN rank).
     assert all(steps > 0 for steps in ffn_steps), ffn_steps
+    FAULT_RESULTS.append(
+        f"{name} FFN stalled past timeout_s: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in stalled.items())
+    )
+
+
+def _stall_ffn(afd, url: str) -> dict[str, float]:
+    """SIGSTOP every FFN process until the attention role reports the FFN
+    lost, then SIGCONT: the FFN re-forms in place. Seconds of each part."""
+    ffn = afd.ffns[0]
+    pid = ffn.proc.pid
+    stopped = time.monotonic()
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        lost = wait_for(
+            lambda: health_down(url, "heartbeat"),
+            TIMEOUT_S + 5,
+            "/health 503 naming the missing heartbeat",
+        )
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    wait_for(lambda: http_get(f"{url}/health")[0] == 200, 60, "/health 200 again")
+    assert ffn.proc.pid == pid and ffn.exit_code() is None, "the FFN restarted"
+    return {
+        "lost": lost,
+        "serving again after SIGCONT": time.monotonic() - resumed,
+        "stalled": resumed - stopped,
+    }

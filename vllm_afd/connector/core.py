@@ -75,6 +75,7 @@ class ConnectorCore:
     ) -> None:
         self.name, self.role, self.role_rank = name, role, role_rank
         self._warmup_timeout_s = max(timeout_s, warmup_timeout_s or timeout_s)
+        self._served_a_step = False  # an EAGER or graph step was planned
         self.topology, self.fingerprint, self.device = topology, fingerprint, device
         self._control, self._data, self._timeout_s = control, data, timeout_s
         self._dtype = torch_dtype(fingerprint.dtype)
@@ -213,9 +214,14 @@ class ConnectorCore:
 
     def _begin_step(self, step_id: int, mode: ExecMode) -> None:
         """A new plan: its tag bits, and its waits' timeout (``warmup_timeout_s``
-        in WARMUP/CAPTURE steps, ``timeout_s`` otherwise)."""
+        in WARMUP/CAPTURE steps and in the first served step of this
+        endpoint, whose shapes run for the first time: lazily built kernels,
+        first-touch allocations; ``timeout_s`` otherwise). Both sides see the
+        same plans, so they agree on each step's limit."""
         self._step_id, self._step_bits = step_id, step_tag(step_id)
-        slow = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
+        start_up = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
+        slow = start_up or not self._served_a_step
+        self._served_a_step = self._served_a_step or not start_up
         self._wait_timeout_s = self._warmup_timeout_s if slow else self._timeout_s
         self._steps += 1
 

@@ -76,23 +76,31 @@ class FFNSideMixin(AFDRunnerMixin):
         model: RoleSplitModel = self.model  # type: ignore[attr-defined]
         split = model.afd_split
         device = self.device  # type: ignore[attr-defined]
-        endpoint = open_endpoint(vllm_config, afd, split, device)
-        self.afd_endpoint = endpoint
-        connector: Any = endpoint.connector
-        tp_group = get_tp_group()
-        if tp_group.world_size > 1:
-            connector = TPRelay(
-                endpoint.connector,
-                tp_group,
-                hidden_size=split.hidden_size,
-                dtype=vllm_config.model_config.dtype,
-                device=device,
-                routing_top_k=split.top_k if afd.compute_gate_on_attention else None,
-            )
+        self.afd_endpoint = open_endpoint(vllm_config, afd, split, device)
         self.afd_profiler = StepProfiler(
-            "ffn", endpoint.role_rank, skip=envs.profile_skip()
+            "ffn", self.afd_endpoint.role_rank, skip=envs.profile_skip()
         )
-        self._afd_serve(connector)
+        self._afd_serve(self._afd_loop_connector())
+
+    def _afd_loop_connector(self) -> Any:
+        """What the FFN loop talks to: the endpoint's connector, or with
+        tensor parallelism a :class:`TPRelay` over it (TP rank 0) or over
+        nothing (the other TP ranks)."""
+        endpoint = self.afd_endpoint
+        assert endpoint is not None
+        tp_group = get_tp_group()
+        if tp_group.world_size == 1:
+            return endpoint.connector
+        split = endpoint.split
+        gate_on_attention = endpoint.afd.compute_gate_on_attention
+        return TPRelay(
+            endpoint.connector,
+            tp_group,
+            hidden_size=split.hidden_size,
+            dtype=self.vllm_config.model_config.dtype,  # type: ignore[attr-defined]
+            device=self.device,  # type: ignore[attr-defined]
+            routing_top_k=split.top_k if gate_on_attention else None,
+        )
 
     def _afd_serve(self, connector: Any) -> None:
         """Run an FFN loop (and its metrics) over ``connector``."""
@@ -115,14 +123,17 @@ class FFNSideMixin(AFDRunnerMixin):
     def _afd_rendezvous_again(self, why: str) -> None:
         """The session ended for a rendezvous again (``why``): close this
         endpoint, open a new one (waits up to ``connect_timeout_s``), serve
-        it; the server stops when that fails."""
+        it; the server stops when that fails. With tensor parallelism only
+        TP rank 0 has a connector: the other TP ranks start their new loop
+        at once and wait in it for TP rank 0's first plan."""
         old = self.afd_endpoint
         assert old is not None
-        logger.warning(
-            "AFD ffn rank %d: %s; the deployment re-forms, rendezvous again at "
-            "%s:%d",
-            old.role_rank, why, old.afd.host, old.afd.port,
-        )  # fmt: skip
+        if old.connector is not None:
+            logger.warning(
+                "AFD ffn rank %d: %s; the deployment re-forms, rendezvous again "
+                "at %s:%d",
+                old.role_rank, why, old.afd.host, old.afd.port,
+            )  # fmt: skip
         if self.afd_metrics is not None:
             self.afd_metrics.stop()
             self.afd_metrics = None
@@ -138,8 +149,9 @@ class FFNSideMixin(AFDRunnerMixin):
             self.afd_endpoint = None
             self._afd_stop_server(f"the rendezvous again failed: {e}")
             return
-        logger.info("AFD ffn rank %d: serving again", old.role_rank)
-        self._afd_serve(self.afd_endpoint.connector)
+        if old.connector is not None:
+            logger.info("AFD ffn rank %d: serving again", old.role_rank)
+        self._afd_serve(self._afd_loop_connector())
 
     def _afd_step_graphs(self) -> StepGraphs | None:
         """CUDA graphs of whole steps, where the device has them."""
@@ -199,9 +211,13 @@ class FFNSideMixin(AFDRunnerMixin):
     def _afd_loop_exited(self, error: BaseException | None) -> None:
         endpoint = self.afd_endpoint
         connector = endpoint.connector if endpoint is not None else None
-        again = getattr(connector, "rejoining", None) if error is None else None
-        stopping = self.afd_loop is not None and self.afd_loop.stopping
-        if again is not None and not stopping and get_tp_group().world_size == 1:
+        loop = self.afd_loop
+        # the loop's own connector: with tensor parallelism a TPRelay, which
+        # knows the leader's reason on every TP rank
+        served = loop.connector if loop is not None else connector
+        again = getattr(served, "rejoining", None) if error is None else None
+        stopping = loop is not None and loop.stopping
+        if again is not None and not stopping:
             # Off the loop's thread: the rendezvous waits for the others.
             threading.Thread(
                 target=self._afd_rendezvous_again,

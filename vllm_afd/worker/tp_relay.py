@@ -13,15 +13,30 @@ every TP rank the FFN side of the connector API, so the same
 Broadcasts use vLLM's TP group (objects on its CPU group, tensors on its
 device group), from the loop thread; the FFN engine never runs a forward of
 its own, so nothing else uses the group concurrently.
+
+When the leader's session ends for a rendezvous again (the deployment
+re-forms), the leader broadcasts :class:`Rejoin` instead of a plan: every TP
+rank's loop ends with :attr:`TPRelay.rejoining` set, and each starts a new
+loop over a new relay once the leader has a new connector (the followers
+wait for its first plan).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm_afd.connector.payloads import A2FBatch, ConnectorStats, Routing
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Broadcast by the leader in place of a plan: its session ended for a
+    rendezvous again, for ``why``."""
+
+    why: str
 
 
 class TPRelay:
@@ -44,6 +59,7 @@ class TPRelay:
         self.device = device
         self.routing_top_k = routing_top_k
         self._plan: Any | None = None
+        self._rejoining: str | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -53,9 +69,23 @@ class TPRelay:
     def stats(self) -> ConnectorStats:
         return self.connector.stats if self.connector is not None else ConnectorStats()
 
+    @property
+    def rejoining(self) -> str | None:
+        """Once :meth:`recv_plan` returned None: why the leader's session ended
+        for a rendezvous again; None when the peers shut down for good."""
+        if self.is_leader:
+            return self.connector.rejoining
+        return self._rejoining
+
     def recv_plan(self) -> Any | None:
-        plan = self.connector.recv_plan() if self.is_leader else None
+        plan = None
+        if self.is_leader:
+            plan = self.connector.recv_plan()
+            why = self.connector.rejoining if plan is None else None
+            plan = Rejoin(why) if why is not None else plan
         plan = self.tp_group.broadcast_object(plan, src=0)
+        if isinstance(plan, Rejoin):
+            self._rejoining, plan = plan.why, None
         self._plan = plan
         return plan
 
