@@ -8,8 +8,9 @@ reads the directory (at most every :data:`READ_EVERY_S`). A rank without a
 file has not opened its link yet and counts as up: vLLM does not answer
 before every local engine is ready.
 
-Ranks of this server on other hosts (``--headless`` nodes) are not seen: each
-host's directory holds its own ranks.
+Ranks of this server on other hosts (``--headless`` nodes) write on their
+own host; their losses reach this API server all the same, since a lost
+link re-forms the whole session and takes every rank's link down.
 """
 
 from __future__ import annotations
