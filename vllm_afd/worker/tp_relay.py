@@ -83,7 +83,7 @@ class TPRelay:
             plan = self.connector.recv_plan()
             why = self.connector.rejoining if plan is None else None
             plan = Rejoin(why) if why is not None else plan
-        plan = self.tp_group.broadcast_object(plan, src=0)
+        plan = self._broadcast_plan(plan)
         if isinstance(plan, Rejoin):
             self._rejoining, plan = plan.why, None
         self._plan = plan
@@ -115,6 +115,20 @@ class TPRelay:
                 ),
             )
         return A2FBatch(hidden=hidden, routing=routing)
+
+    def _broadcast_plan(self, plan: Any) -> Any:
+        """The leader's plan on every TP rank. The wait for it lasts as long
+        as the deployment is idle, so the other ranks wait without vLLM's
+        "No available shared memory broadcast block found in 60 seconds"
+        warning (its message queue's indefinite read) where the group has
+        one."""
+        queue = getattr(self.tp_group, "mq_broadcaster", None)
+        if queue is None:
+            return self.tp_group.broadcast_object(plan, src=0)
+        if self.is_leader:
+            queue.enqueue(plan)
+            return plan
+        return queue.dequeue(indefinite=True)
 
     def _bcast(
         self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
