@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from harness import (
+    COMPILED_BF16_V3,
     afd_vs_plain,
     assert_same_outputs,
     make_spec,
@@ -68,6 +69,7 @@ def test_gate_on_attention_exact_and_ffn_holds_experts_only(tiny_models, arch):
     assert ffn_metrics[("afd_a2f_bytes", "ffn", "0")] == tokens * per_token
 
 
+@COMPILED_BF16_V3
 def test_gate_on_attention_compiled_bf16_exact(tiny_models):
     afd_out, plain_out, _, ffn_metrics = _run(
         tiny_models, "deepseek_v3", True, ["--dtype", "bfloat16"]
