@@ -159,7 +159,10 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
     HOST_RESULTS.append(
         f"{case}: {same}/{len(plain)} identical, every node ready "
         f"{started:.0f}s after the launchers started"
-        + "".join(
-            f"; FFN on node {kill_on} SIGKILLed: {k} {v:.1f}s" for k, v in fault.items()
+        + (
+            f"; FFN on node {kill_on} SIGKILLed: "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in fault.items())
+            if fault
+            else ""
         )
     )
