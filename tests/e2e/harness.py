@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.serving.ffn_status import READ_EVERY_S
 
 #: one line per model-family case (test_families.py), printed at the end
 FAMILY_RESULTS: list[str] = []
@@ -490,6 +491,34 @@ class Collected:
                 self.proc.wait(10)
 
 
+# ------------------------------------------------------------ processes
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent, process group) of ``pid``, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def live_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def members(groups: set[int]) -> list[int]:
+    """Live (not zombie) processes of the process groups ``groups``."""
+    out = []
+    for pid in live_pids():
+        st = proc_stat(pid)
+        if st is not None and st[2] in groups and st[0] not in ("Z", "X"):
+            out.append(pid)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in live_pids() if (st := proc_stat(p)) and st[1] == pid]
+
+
 # ------------------------------------------------------------ faults
 def http_get(url: str) -> tuple[int, str]:
     try:
@@ -509,6 +538,19 @@ def wait_for(cond, timeout: float, what: str) -> float:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def wait_every_api_server(cond, timeout: float, what: str) -> float:
+    """:func:`wait_for` ``cond`` (a reply from one API server process), then
+    :data:`~vllm_afd.serving.ffn_status.READ_EVERY_S` more: with data
+    parallelism vLLM answers from one API server process per local rank, each
+    re-reading the ranks' link states at most that often, so a request sent
+    right after one process answered can still reach another that has not
+    seen the change (a 503 after /health said 200). The seconds ``cond``
+    took."""
+    took = wait_for(cond, timeout, what)
+    time.sleep(READ_EVERY_S)  # the documented bound on the other processes
+    return took
 
 
 class Supervisor:

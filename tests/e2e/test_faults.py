@@ -49,6 +49,7 @@ from harness import (
     run_workload,
     served_model,
     start,
+    wait_every_api_server,
     wait_for,
 )
 
@@ -131,7 +132,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             )
             load.start()
             ffn_up = wait_for(afd.ffn.healthy, RECOVER_S, "the restarted FFN rank")
-            rejoined = wait_for(
+            rejoined = wait_every_api_server(
                 lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
             )
             time.sleep(1.0)  # a few requests after the rejoin
@@ -187,7 +188,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             afd.ffn.argv = right_argv
         afd.ffn.start(log)
         wait_for(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
-        wait_for(
+        wait_every_api_server(
             lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
         )
         figures["recovered after SIGSTOP"] = time.monotonic() - stopped
@@ -279,7 +280,9 @@ def test_one_ffn_rank_of_2a2f_dies_and_the_deployment_re_forms(tiny_models):
             )
             figures["every rank paused"] = time.monotonic() - killed
             wait_for(ffn1.healthy, RECOVER_S, "the restarted ffn rank 1")
-            wait_for(lambda: _status(url)["ready"], 60, "every rank to rejoin")
+            wait_every_api_server(
+                lambda: _status(url)["ready"], 60, "every rank to rejoin"
+            )
             figures["rejoined"] = time.monotonic() - killed
             assert supervisor.error is None, supervisor.error
         assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=ATOL)

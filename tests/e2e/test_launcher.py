@@ -19,7 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Collected, complete, free_port_pair, free_ports, served_model
+from harness import (
+    Collected,
+    children,
+    complete,
+    free_port_pair,
+    free_ports,
+    members,
+    proc_stat,
+    served_model,
+)
 
 from vllm_afd import lifeline
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
@@ -42,33 +51,6 @@ def model(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------- processes
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent, process group) of ``pid``, None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[1]), int(fields[2])
-
-
-def _live_pids() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
-
-
-def members(groups: set[int]) -> list[int]:
-    """Live (not zombie) processes of the process groups ``groups``."""
-    out = []
-    for pid in _live_pids():
-        st = _stat(pid)
-        if st is not None and st[2] in groups and st[0] not in ("Z", "X"):
-            out.append(pid)
-    return out
-
-
-def children(pid: int) -> list[int]:
-    return [p for p in _live_pids() if (st := _stat(p)) and st[1] == pid]
-
-
 def listening(pids: list[int]) -> list[tuple[str, int, int]]:
     """(address hex, port, pid) of every TCP socket ``pids`` listen on."""
     inodes: dict[str, int] = {}
@@ -137,7 +119,7 @@ class Launched(Collected):
 
     def role_groups(self) -> set[int]:
         """The role servers' process groups (each its own session)."""
-        return {_stat(p)[2] for p in children(self.proc.pid) if _stat(p)}
+        return {proc_stat(p)[2] for p in children(self.proc.pid) if proc_stat(p)}
 
     def cleanup(self) -> None:
         groups = self.role_groups()

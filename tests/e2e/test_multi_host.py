@@ -30,6 +30,7 @@ from harness import (
     HOST_RESULTS,
     Collected,
     assert_same_outputs,
+    children,
     health_down,
     http_get,
     make_spec,
@@ -37,6 +38,7 @@ from harness import (
     prompts,
     run_workload,
     served_model,
+    wait_every_api_server,
     wait_for,
 )
 from hosts import emulated_hosts, unavailable
@@ -89,21 +91,16 @@ def _ffn_server_pid(launcher_pid: int) -> int:
     """The FFN server that the launcher with pid ``launcher_pid`` started:
     the outermost process under it with an FFN role's argv (namespaces
     share this pid space)."""
-    parent, argv = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        pid = int(stat.parent.name)
-        try:
-            parent[pid] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            argv[pid] = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-    level, seen = [launcher_pid], set()
+    level = [launcher_pid]
     while level:
-        hits = [p for p in level if b'"role": "ffn"' in argv.get(p, b"")]
-        if hits:
-            return hits[0]
-        seen.update(level)
-        level = [p for p, pp in parent.items() if pp in level and p not in seen]
+        for pid in level:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b'"role": "ffn"' in argv:
+                return pid
+        level = [c for pid in level for c in children(pid)]
     raise AssertionError(f"launcher {launcher_pid} runs no FFN server")
 
 
@@ -117,7 +114,9 @@ def _kill_ffn_and_rejoin(node: Collected, url: str, texts, plain) -> dict:
     down = wait_for(lambda: health_down(url, "ffn rank"), 30, "/health 503")
     node.wait_line(r"restarting it in", 30)
     node.wait_line(r"starting ffn\d? again", 60)
-    wait_for(lambda: http_get(f"{url}/health")[0] == 200, RECOVER_S, "/health 200")
+    wait_every_api_server(
+        lambda: http_get(f"{url}/health")[0] == 200, RECOVER_S, "/health 200"
+    )
     back = time.monotonic() - killed
     assert_same_outputs(run_workload(url, served_model(url), texts), plain, atol=ATOL)
     return {"/health 503": down, "serving again": back}

@@ -37,6 +37,7 @@ from harness import (
     run_workload,
     served_model,
     start,
+    wait_every_api_server,
     wait_for,
 )
 
@@ -134,7 +135,9 @@ def _stall_ffn(afd, url: str) -> dict[str, float]:
     finally:
         os.killpg(pid, signal.SIGCONT)
     resumed = time.monotonic()
-    wait_for(lambda: http_get(f"{url}/health")[0] == 200, 60, "/health 200 again")
+    wait_every_api_server(
+        lambda: http_get(f"{url}/health")[0] == 200, 60, "/health 200 again"
+    )
     assert ffn.proc.pid == pid and ffn.exit_code() is None, "the FFN restarted"
     return {
         "lost": lost,

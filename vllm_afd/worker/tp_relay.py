@@ -72,9 +72,8 @@ class TPRelay:
     @property
     def rejoining(self) -> str | None:
         """Once :meth:`recv_plan` returned None: why the leader's session ended
-        for a rendezvous again; None when the peers shut down for good."""
-        if self.is_leader:
-            return self.connector.rejoining
+        for a rendezvous again (every TP rank, the leader too, got it in the
+        broadcast); None when the peers shut down for good."""
         return self._rejoining
 
     def recv_plan(self) -> Any | None:
