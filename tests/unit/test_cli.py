@@ -212,6 +212,26 @@ def test_roles_sharing_a_gpu_get_the_cuda_ipc_plane(extra: dict) -> None:
         assert spec.afd_config(role)["connector_extra_config"]["backend"] == "cuda_ipc"
 
 
+@pytest.mark.parametrize(
+    ("attention", "ffn", "ffn_ranks", "plain"),
+    [
+        ("0", "0", 1, "0"),
+        ("0", "1", 1, "0,1"),
+        ("0,1", "2,3", 2, "0,1,2,3"),
+        ("0", "0,1", 2, "0,1"),
+        (None, None, 1, None),
+    ],
+)
+def test_the_plain_baseline_sees_every_gpu_of_the_roles_once(
+    attention: str | None, ffn: str | None, ffn_ranks: int, plain: str | None
+) -> None:
+    # "0,0" (both roles on GPU 0) would hide every GPU from CUDA
+    spec = DeploymentSpec(
+        model="m", ffn_ranks=ffn_ranks, attention_devices=attention, ffn_devices=ffn
+    )
+    assert spec.plain_devices() == plain
+
+
 def test_roles_on_their_own_gpus_keep_auto_which_is_nccl() -> None:
     spec = DeploymentSpec(model="m", attention_devices="0", ffn_devices="1")
     assert spec.data_plane() == "nccl"

@@ -351,10 +351,11 @@ class DeploymentSpec:
 
     def plain_devices(self) -> str | None:
         """``CUDA_VISIBLE_DEVICES`` of the plain baseline: every GPU the AFD
-        roles were given, so both run on the same hardware."""
+        roles were given, so both run on the same hardware, each once (a GPU
+        both roles share, listed twice, would hide every GPU from CUDA)."""
         attention, ffns = self.role_devices()
-        given = [d for d in (attention, *ffns) if d is not None]
-        return ",".join(given) if given else None
+        given = [d for role in (attention, *ffns) if role for d in role.split(",")]
+        return ",".join(dict.fromkeys(given)) if given else None
 
     def _shared_gpus(self) -> list[str]:
         attention = _device_list("--attention-devices", self.attention_devices)
