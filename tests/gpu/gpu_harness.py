@@ -15,6 +15,7 @@ from harness import (
     run_workload,
     served_model,
     settled_metrics,
+    warm_up,
 )
 
 from vllm_afd.cli.launch import DeploymentSpec
@@ -81,7 +82,8 @@ def afd_and_plain(
     after: Callable[[Deployment], None] | None = None,
 ) -> tuple[list[Completion], list[Completion], dict]:
     """The workload's outputs from AFD (on ``spec``'s devices) and from plain
-    vLLM on GPU 0, each in one server lifetime, and the FFN's settled
+    vLLM on GPU 0, each in one server lifetime after a warm-up run of it
+    (``harness.warm_up``), and the FFN's settled
     counters. ``env`` goes to every server; logs to ``tmp_path``. ``after``
     runs on the AFD deployment once its counters are read, before it stops."""
     env = env or {}
@@ -90,6 +92,7 @@ def afd_and_plain(
         add_env(afd, **env)
         try:
             afd.start(ready_timeout=600)
+            warm_up(afd.api_url, texts)
             afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
             ffn = settled_metrics(afd.ffn.url)
             if after is not None:
@@ -97,7 +100,9 @@ def afd_and_plain(
         finally:
             afd.stop()
     with (tmp_path / "plain.log").open("w") as log:
-        plain_out = plain_outputs(spec, texts, log=log, devices="0", env=env)
+        plain_out = plain_outputs(
+            spec, texts, log=log, devices="0", env=env, warmup=True
+        )
     return afd_out, plain_out, ffn
 
 

@@ -31,6 +31,7 @@ from harness import (
     start,
     wait_every_api_server,
     wait_for,
+    warm_up,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
@@ -53,12 +54,13 @@ def test_attention_survives_its_ffn_on_one_gpu_with_graphs(
         ffn_restarts=3,
     )
     with (tmp_path / "plain.log").open("w") as plain_log:
-        plain = plain_outputs(spec, TEXTS, log=plain_log, devices="0")
+        plain = plain_outputs(spec, TEXTS, log=plain_log, devices="0", warmup=True)
     afd, log = start(spec)
     figures = {}
     try:
         url = afd.api_url
         name = served_model(url)
+        warm_up(url, TEXTS)
         assert_same_outputs(run_workload(url, name, TEXTS), plain, ATOL)
         attention_pid = afd.attention.proc.pid
         with Supervisor(afd) as supervisor:

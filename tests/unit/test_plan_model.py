@@ -355,8 +355,9 @@ def test_cpu_tp_workers_get_equal_shares_of_the_cores() -> None:
 def test_a_stalled_short_run_is_measured_again_then_refused(monkeypatch) -> None:
     from vllm_afd.cli import plan_profile
 
-    # (short, long) wall seconds per attempt; the first pair is a stall
-    times = iter([1.10, 0.79, 0.20, 0.64])
+    # the warm-up, then (short, long) wall seconds per attempt; the first
+    # pair is a stall
+    times = iter([9.0, 1.10, 0.79, 0.20, 0.64])
     asked: list[int] = []
 
     def duration(url, served, reqs, what):
@@ -373,12 +374,12 @@ def test_a_stalled_short_run_is_measured_again_then_refused(monkeypatch) -> None
         note=notes.append,
     )  # fmt: skip
     assert step == pytest.approx((0.64 - 0.20) / 22)
-    assert asked == [2, 24, 2, 24] and len(calls) == 6
+    assert asked == [2, 2, 24, 2, 24] and len(calls) == 6
     assert notes == [
         "AFD c=32 b=1: 24 output tokens took no longer than 2 (0.790s vs "
         "1.100s); measuring again (2 of 3)"
     ]
-    times = iter([1.0, 0.5] * plan_profile.ATTEMPTS)
+    times = iter([1.0] + [1.0, 0.5] * plan_profile.ATTEMPTS)
     with pytest.raises(RuntimeError, match=r"no longer than 2 in 3 tries .*"
                        r"raise --decode-tokens$"):  # fmt: skip
         plan_profile.decode_step("u", "m", 1, 32, 24, 0, "x")

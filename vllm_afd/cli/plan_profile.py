@@ -4,7 +4,8 @@ The parts the decode model needs (``cli.plan_model``) come from real servers
 running the user's model with vLLM's own kernels: a 1A1F AFD deployment and
 plain vLLM, one after the other, each answering ``b`` concurrent requests of
 ``c`` prompt tokens for every (context, batch) point. Per point the workload
-runs twice, 2 output tokens, then ``decode_tokens``: the difference of the
+runs once untimed (warm-up), then twice, 2 output tokens, then
+``decode_tokens``: the difference of the
 two runs' wall times over the extra steps is the decode ``step`` (prefill
 cancels out), and on the AFD side so are the AFD counters' differences::
 
@@ -119,8 +120,13 @@ def decode_step(
     two runs (counter reads: the last three calls belong to the returned
     figure). A pair whose long run was not slower (a stall of the machine
     during the short one) is measured again, up to :data:`ATTEMPTS` times,
-    each retry told to ``note``."""
+    each retry told to ``note``. An untimed run of :data:`SHORT` output tokens
+    goes first: the first batch of a shape can pay for kernel compilation or
+    graph capture (on one GPU, the first 2-token run of batch 8 took 0.95 s, the
+    32-token run after it 0.14 s)."""
     step = between or (lambda: None)
+    warm = _requests(url, served, context, n, SHORT, seed - 1)
+    _duration(url, served, warm, f"{what} (warm-up)")
     times: list[tuple[float, float]] = []
     for attempt in range(ATTEMPTS):
         sd = seed + 1000 * attempt
