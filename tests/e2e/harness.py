@@ -187,18 +187,42 @@ def plain_outputs(
     """The workload's outputs from plain vLLM with ``spec``'s settings (one
     server lifetime; ``devices`` sets its ``CUDA_VISIBLE_DEVICES``, ``env``
     adds environment variables; ``warmup``: the workload once before, its
-    outputs dropped, see :func:`warm_up`)."""
+    outputs dropped, see :func:`warm_up`).
+
+    Once per session for the same server command line (less its port),
+    environment additions, prompts and warm-up: later calls get the first
+    call's outputs, and write nothing to ``log``. Plain vLLM answers a
+    workload the same way each time it starts (the premise of every
+    comparison here), so modules that compare against the same baseline
+    share one server."""
     plain = PlainServer(spec, log=log)
     plain.process.env = {**plain.process.env, **(env or {})}
     if devices is not None:
         plain.process.env = {**plain.process.env, "CUDA_VISIBLE_DEVICES": devices}
+    argv = plain.process.argv
+    at = argv.index("--port")
+    key = (
+        tuple(argv[:at] + argv[at + 2 :]),
+        devices,
+        tuple(sorted((env or {}).items())),
+        tuple(texts),
+        warmup,
+    )
+    if key in _PLAIN_RUNS:
+        return list(_PLAIN_RUNS[key])
     plain.start(ready_timeout=ready_timeout)
     try:
         if warmup:
             warm_up(plain.url, texts)
-        return run_workload(plain.url, served_model(plain.url), texts)
+        out = run_workload(plain.url, served_model(plain.url), texts)
     finally:
         plain.stop()
+    _PLAIN_RUNS[key] = out
+    return list(out)
+
+
+#: :func:`plain_outputs` of this session, by what decides them
+_PLAIN_RUNS: dict[tuple, list[Completion]] = {}
 
 
 def _long_request(url: str, model: str, max_tokens: int, outcome: dict) -> None:

@@ -39,7 +39,10 @@ LAYOUTS = {
 # two attention ranks merged on the FFN (routing payloads of two ranks); the
 # merge itself is family-independent (tests/connector contract suite, 2A1F in
 # test_faults.py).
-CASES = [(f, 1, False) for f in LAYOUTS] + [
+# Qwen3-MoE with the gate on the FFN role is the model of test_faults.py,
+# exact there at 1A1F and 2A1F (and across hosts in test_multi_host.py), so
+# it is not run again here.
+CASES = [(f, 1, False) for f in LAYOUTS if f != "qwen3_moe"] + [
     (f, 2 if f == "qwen2_moe" else 1, True) for f in LAYOUTS
 ]
 
@@ -47,8 +50,6 @@ CASES = [(f, 1, False) for f in LAYOUTS] + [
 #: vLLM's one batch, and CPU fp32 GEMMs of another row count may round
 #: differently (see test_scale_out.py); token ids must still be identical.
 ATOL = {1: 1e-5, 2: 1e-4}
-
-_plain: dict[str, list] = {}
 
 
 @pytest.mark.parametrize(
@@ -64,8 +65,7 @@ def test_family_exact_and_role_split(family_models, family, ranks, gate_on_atten
         gate_on_attention=gate_on_attention,
     )
     texts = prompts(8)
-    run = afd_vs_plain(spec, texts, plain=_plain.get(family))
-    _plain[family] = run.plain
+    run = afd_vs_plain(spec, texts)  # plain vLLM once per family (harness)
     same = sum(
         a.token_ids == p.token_ids for a, p in zip(run.afd, run.plain, strict=True)
     )

@@ -37,6 +37,10 @@ DEMO_VLLM_ARGS = [
     "float32",
     "--seed",
     "0",
+    # Eager: torch.compile would spend minutes compiling the tiny model on a
+    # CPU before the first answer (compiled AFD is as exact; see
+    # docs/architecture.md, Exactness).
+    "--enforce-eager",
 ]
 
 
