@@ -14,9 +14,11 @@ lifetime:
    it, a prompt served before the fault hits the prefix cache (1A1F: one
    engine, one cache), and the workload is token-identical to plain vLLM.
 2. **FFN SIGSTOP** (idle): the heartbeat silence takes ``/health`` to 503
-   within ``timeout_s``; then (1A1F) an FFN rank with **other weights** starts
-   in its place and the handshake refuses it naming ``model_digest`` while the
-   attention role keeps waiting; the right one rejoins, output exact again.
+   within ``timeout_s``; then (1A1F) the stopped rank is killed, an FFN rank
+   with **other weights** starts in its place and the handshake refuses it
+   naming ``model_digest`` while the attention role keeps waiting, and the
+   right one rejoins; (2A1F) the stopped rank is resumed (SIGCONT) and the
+   same process rejoins both attention ranks in place; output exact again.
 3. **Attention SIGKILL**: the FFN server stops by itself, and the supervisor
    stops the deployment with an error that says an attention rank cannot
    rejoin.
@@ -165,10 +167,11 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             "/health 503 naming the missing heartbeat",
         )
         figures["hung FFN detected"] = seen_down
-        os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
-        afd.ffn.proc.wait(30)
-        right_argv = list(afd.ffn.argv)
         if a == 1:
+            # Killed, and a rank on other weights takes its place.
+            os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+            afd.ffn.proc.wait(30)
+            right_argv = list(afd.ffn.argv)
             # FFN rank 0 checks every endpoint's fingerprint alike: one
             # topology is enough for the refusal (an FFN start less in CI).
             other = write_tiny_checkpoint(
@@ -182,13 +185,20 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             wait_for(lambda: "model_digest" in _attention_lines(log), 30, "the refusal")
             assert http_get(f"{url}/health")[0] == 503
             afd.ffn.argv = right_argv
-        afd.ffn.start(log)
-        wait_for(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
+            afd.ffn.start(log)
+            wait_for(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
+        else:
+            # Resumed: the same FFN process rejoins both attention ranks in
+            # place (no restart, no weights reloaded).
+            ffn_pid = afd.ffn.proc.pid
+            os.killpg(ffn_pid, signal.SIGCONT)
         wait_every_api_server(
             lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
         )
         figures["recovered after SIGSTOP"] = time.monotonic() - stopped
         assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=ATOL)
+        if a > 1:
+            assert afd.ffn.proc.pid == ffn_pid
         assert afd.attention.proc.pid == attention_pid
         status = _status(url)
         assert status["ready"] and len(status["ranks"]) == a
