@@ -167,9 +167,10 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             "/health 503 naming the missing heartbeat",
         )
         figures["hung FFN detected"] = seen_down
+        ffn_pid = afd.ffn.proc.pid
         if a == 1:
             # Killed, and a rank on other weights takes its place.
-            os.killpg(afd.ffn.proc.pid, signal.SIGKILL)
+            os.killpg(ffn_pid, signal.SIGKILL)
             afd.ffn.proc.wait(30)
             right_argv = list(afd.ffn.argv)
             # FFN rank 0 checks every endpoint's fingerprint alike: one
@@ -190,7 +191,6 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         else:
             # Resumed: the same FFN process rejoins both attention ranks in
             # place (no restart, no weights reloaded).
-            ffn_pid = afd.ffn.proc.pid
             os.killpg(ffn_pid, signal.SIGCONT)
         wait_every_api_server(
             lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
