@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -577,6 +578,165 @@ def test_a_member_that_dies_ends_the_session_on_ffn_rank_0_2a2f():
     finally:
         ffn1.kill()
         ffn1.wait()
+
+
+# ------------------------------------------ after a failed step (FFN side)
+_ATTENTION_1_PROGRAM = """
+import os, sys
+sys.path.insert(0, {here!r})
+import _scenarios as S
+from vllm_afd.connector import protocol
+from vllm_afd.connector.protocol import ExecMode, StepPlan
+sc = S.Scenario("p2p", {port}, 2, 1, timeout_s=1.0, connect_timeout_s=20.0)
+att = S._connector(sc, "attention", 1)
+att.start()
+att.send_plan(StepPlan(1, ExecMode.EAGER, (1,)))
+print("up", flush=True)
+what = sys.stdin.readline().strip()
+if what == "rejoins":
+    att.close(protocol.REJOIN + "attention rank 1 lost ffn rank 0")
+elif what == "stops":
+    att.close("attention rank 1 stops")
+elif what == "dies":
+    os._exit(9)  # the kernel closes its sockets: EOF, no SHUTDOWN
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("rank_1", ["rejoins", "stays", "stops", "dies", "stays alone"])
+def test_after_a_failed_step_the_ffn_rank_rejoins_unless_a_peer_died(rank_1):
+    """2A1F with both attention ranks inside a step (their plans received)
+    when the FFN rank's step fails: attention rank 0 leaves to rendezvous
+    again, as it does when it gave up on a stopped or cut-off FFN rank. The
+    FFN rank re-forms the session unless attention rank 1 died (EOF without
+    SHUTDOWN) or shut down for good; a rank still connected is waited for
+    twice ``timeout_s`` (1 s here), then the session re-forms anyway, also
+    when no rank left ("stays alone": rank 0 stays too)."""
+    import subprocess
+
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+
+    sc = S.Scenario("p2p", S.free_port(), 2, 1, timeout_s=1.0, connect_timeout_s=20.0)
+    ffn = _Endpoint(sc, "ffn", 0)
+    att0 = _Endpoint(sc, "attention", 0)
+    here = os.path.dirname(os.path.abspath(__file__))
+    att1 = subprocess.Popen(
+        [sys.executable, "-c", _ATTENTION_1_PROGRAM.format(here=here, port=sc.port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert att1.stdout.readline().strip() == "up"
+        assert ffn.started.wait(30) and att0.started.wait(30), (ffn.error, att0.error)
+        att0.conn.send_plan(StepPlan(1, ExecMode.EAGER, (1,)))
+        assert ffn.conn.recv_plan() is not None  # the step both ranks are in
+        if rank_1 != "stays alone":
+            att0.conn.close(protocol.REJOIN + "attention rank 0 lost ffn rank 0")
+        att1.stdin.write(rank_1 + "\n")
+        att1.stdin.flush()
+        if rank_1 == "dies":
+            att1.wait(10)
+        else:
+            assert att1.stdout.readline().strip() == "done"
+        t0 = time.monotonic()
+        why = ffn.conn.rejoin_after_failure()
+        took = time.monotonic() - t0
+    finally:
+        att1.kill()
+        att1.wait()
+        ffn.conn.close()
+        att0.conn.close()
+    rank_0_left = (
+        "attention rank 0 shut down (rejoin: attention rank 0 lost ffn rank 0)"
+    )
+    if rank_1 in ("stops", "dies"):
+        assert why is None and took < 1.0, (why, took)
+    elif rank_1 == "rejoins":
+        assert why == rank_0_left and took < 1.0, (why, took)
+    elif rank_1 == "stays":
+        assert why == rank_0_left and 2.0 <= took < 3.0, (why, took)
+    else:
+        assert 2.0 <= took < 3.0, took
+        assert why == (
+            "attention rank 0, attention rank 1 still connected 2s after the "
+            "failed step"
+        ), why
+    assert ffn.conn.rejoining == why
+
+
+def test_ffn_rank_0_hosts_the_data_plane_store_once_per_process():
+    """A session re-formed after a failed step starts while the old one's
+    group may still hold the old store (pending receives, the error's
+    frames): FFN rank 0 hosts the store once per address and every session
+    uses it, so the new session never meets its own port in use."""
+    from vllm_afd.connector.p2p_data import P2PDataPlane
+
+    port = S.free_port()
+
+    def plane() -> P2PDataPlane:
+        return P2PDataPlane(
+            host="127.0.0.1", store_port=port + 1, global_rank=0, world_size=2,
+            backend="gloo", timeout_s=1.0, connect_timeout_s=5.0,
+        )  # fmt: skip
+
+    old = plane()
+    old.prepare()
+    held = old._store  # what a failed session's group would keep alive
+    old.close()
+    new = plane()
+    new.prepare()  # no "address already in use"
+    assert new._store is held
+    held.set("afd/next/k", b"v")  # the same store serves the next prefix
+    new.close()
+
+
+def test_an_ffn_rank_closed_after_a_failed_step_ends_every_wait_on_it_at_once():
+    """2A1F in a start-up step (waits of ``warmup_timeout_s``, 60 s): attention
+    rank 0 sent its A2F and waits for the F2A; attention rank 1 leaves to
+    rendezvous again, so the FFN rank's wait for the step's A2F fails. The
+    FFN rank keeps its error (as its loop does) and closes: attention rank
+    0's wait ends at once. Gloo closes a group's connections only when the
+    group is freed, and the error's frames held the group's transfers: close
+    releases them."""
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+    from vllm_afd.errors import AFDError, AFDPeerError
+
+    sc = S.Scenario("p2p", S.free_port(), 2, 1, connect_timeout_s=20.0)
+    slow = {"warmup_timeout_s": 60.0}
+    ffn = _Endpoint(sc, "ffn", 0, **slow)
+    att = [_Endpoint(sc, "attention", r, **slow) for r in (0, 1)]
+    for ep in (ffn, *att):
+        assert ep.started.wait(30), [e.error for e in (ffn, *att)]
+    for ep in att:
+        ep.conn.send_plan(StepPlan(1, ExecMode.WARMUP, (1,)))
+    assert ffn.conn.recv_plan() is not None
+    out: dict = {}
+
+    def step_of_rank_0() -> None:
+        conn = att[0].conn
+        conn.send_a2f(0, 0, torch.ones(1, sc.hidden))
+        try:
+            conn.irecv_f2a(0, 0).wait()
+        except AFDError as e:
+            out["error"], out["at"] = e, time.monotonic()
+
+    rank_0 = threading.Thread(target=step_of_rank_0, daemon=True)
+    rank_0.start()
+    att[1].conn.close(protocol.REJOIN + "attention rank 1 lost ffn rank 0")
+    with pytest.raises(AFDPeerError, match="attention rank 1 shut down") as failed:
+        ffn.conn.recv_a2f(0, 0)
+    kept = failed.value  # noqa: F841 - as the FFN loop keeps it
+    closed = time.monotonic()
+    ffn.conn.close(protocol.REJOIN + "ffn rank 0 re-forms")
+    rank_0.join(15)
+    try:
+        assert not rank_0.is_alive(), "attention rank 0's wait outlived the FFN rank"
+        assert out["at"] - closed < 3.0, out
+        assert str(out["error"]).startswith("ffn rank 0 shut down (rejoin: "), out
+    finally:
+        att[0].conn.close()
 
 
 # --------------------------------------------- a cut link (network namespaces)

@@ -13,12 +13,14 @@ lifetime:
    requests keep arriving (each one 503 or exact); the attention ranks rejoin
    it, a prompt served before the fault hits the prefix cache (1A1F: one
    engine, one cache), and the workload is token-identical to plain vLLM.
-2. **FFN SIGSTOP** (idle): the heartbeat silence takes ``/health`` to 503
-   within ``timeout_s``; then (1A1F) the stopped rank is killed, an FFN rank
-   with **other weights** starts in its place and the handshake refuses it
-   naming ``model_digest`` while the attention role keeps waiting, and the
-   right one rejoins; (2A1F) the stopped rank is resumed (SIGCONT) and the
-   same process rejoins both attention ranks in place; output exact again.
+2. **FFN SIGSTOP**. 1A1F, idle: the heartbeat silence takes ``/health`` to
+   503 within ``timeout_s``; the stopped rank is killed, an FFN rank with
+   **other weights** starts in its place and the handshake refuses it naming
+   ``model_digest`` while the attention role keeps waiting, and the right one
+   rejoins. 2A1F, mid-stream: the stream ends with an error once the step's
+   wait runs out, ``/health`` answers 503; the stopped rank is resumed
+   (SIGCONT), finds its step failed, and the same process rejoins both
+   attention ranks in place. Output exact again.
 3. **Attention SIGKILL**: the FFN server stops by itself, and the supervisor
    stops the deployment with an error that says an attention rank cannot
    rejoin.
@@ -158,18 +160,20 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
         assert afd.attention.proc.pid == attention_pid
         assert afd.attention.exit_code() is None
 
-        # 2. SIGSTOP: the heartbeat finds it; other weights are refused.
-        stopped = time.monotonic()
-        os.killpg(afd.ffn.proc.pid, signal.SIGSTOP)
-        seen_down = wait_for(
-            lambda: health_down(url, "heartbeat"),
-            TIMEOUT_S + 2,
-            "/health 503 naming the missing heartbeat",
-        )
-        figures["hung FFN detected"] = seen_down
+        # 2. SIGSTOP. 1A1F: idle, only the heartbeat tells; killed, and a
+        # rank on other weights is refused before the right one rejoins.
+        # 2A1F: mid-stream, both attention ranks give up inside a step; once
+        # resumed, the same FFN process finds its step failed and rejoins them
+        # in place (no restart, no weights reloaded).
         ffn_pid = afd.ffn.proc.pid
         if a == 1:
-            # Killed, and a rank on other weights takes its place.
+            stopped = time.monotonic()
+            os.killpg(ffn_pid, signal.SIGSTOP)
+            figures["hung FFN detected"] = wait_for(
+                lambda: health_down(url, "heartbeat"),
+                TIMEOUT_S + 2,
+                "/health 503 naming the missing heartbeat",
+            )
             os.killpg(ffn_pid, signal.SIGKILL)
             afd.ffn.proc.wait(30)
             right_argv = list(afd.ffn.argv)
@@ -189,16 +193,20 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             afd.ffn.start(log)
             wait_for(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
         else:
-            # Resumed: the same FFN process rejoins both attention ranks in
-            # place (no restart, no weights reloaded).
+            hung = kill_ffn_mid_stream(afd, name, TIMEOUT_S, sig=signal.SIGSTOP)
+            figures["hung FFN: stream error"] = hung["stream error"]
+            figures["hung FFN: /health 503"] = hung["/health 503"]
+            stopped = time.monotonic()
             os.killpg(ffn_pid, signal.SIGCONT)
         wait_every_api_server(
             lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
         )
-        figures["recovered after SIGSTOP"] = time.monotonic() - stopped
+        figures["recovered after " + ("SIGSTOP" if a == 1 else "SIGCONT")] = (
+            time.monotonic() - stopped
+        )
         assert_same_outputs(run_workload(url, name, TEXTS), plain, atol=ATOL)
         if a > 1:
-            assert afd.ffn.proc.pid == ffn_pid
+            assert afd.ffn.proc.pid == ffn_pid and afd.ffn.exit_code() is None
         assert afd.attention.proc.pid == attention_pid
         status = _status(url)
         assert status["ready"] and len(status["ranks"]) == a

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vllm_afd.connector.core import ATT, FFN, ConnectorCore
+from vllm_afd.connector.core import ATT, FFN, ConnectorCore, release_frames
 from vllm_afd.connector.payloads import (
     A2FBatch,
     RecvHandle,
@@ -123,6 +123,14 @@ class AFDConnector(ConnectorCore):
         None when the peers shut down for good."""
         return self._control.reform
 
+    def rejoin_after_failure(self) -> str | None:
+        """FFN side, once a step failed with a peer error or timeout: why the
+        session re-forms (the attention ranks left it to rendezvous again, or
+        are still connected after twice ``timeout_s``), or None when a served
+        attention rank died or shut down for good. Blocks at most twice
+        ``timeout_s``."""
+        return self._control.rejoin_after_failure()
+
     def close(self, reason: str | None = None) -> None:
         """Send SHUTDOWN (with ``reason``; begin it with ``protocol.REJOIN``
         when this endpoint rendezvous again), free sockets and the process
@@ -140,6 +148,15 @@ class AFDConnector(ConnectorCore):
                     break  # the peer is gone; nothing left to flush
         self._pending_sends.clear()
         self._control.close(reason or f"{self.role.value} rank {self.role_rank} closed")
+        # Nothing may keep the data plane's group alive past close: its
+        # connections close with it, which ends the peers' waits on this
+        # endpoint at once (Gloo has no other way to). A failed step leaves
+        # transfers in the step's state and in its error's frames.
+        self._preposted.clear()
+        self._a2f_plan.clear()
+        self._f2a_plan.clear()
+        if self._failure is not None:
+            release_frames(self._failure)
         self._data.close()
 
     # ------------------------------------------------------------- attention

@@ -99,6 +99,13 @@ class ControlPlane(ABC):
     def peer_failure(self, peer: int) -> str | None:
         """Why connector rank ``peer`` is gone, or None if nothing is known."""
 
+    def rejoin_after_failure(self) -> str | None:
+        """FFN: once a step failed (a peer error or timeout), why the session
+        re-forms, or None when it ends (the FFN rank then stops). Waits a
+        bounded time (a few ``timeout_s``) for the served attention ranks
+        still connected to leave. The default: the session ends."""
+        return None
+
     def watch_peers(self, on_lost: Callable[[int, str], None]) -> None:  # noqa: B027
         """Attention: call ``on_lost(peer, why)`` from a thread of the plane's
         own, once, when the serving FFN rank shuts down or its connection

@@ -11,6 +11,7 @@ says why.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +55,21 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise AFDConnectorError(f"fingerprint dtype={name!r} is not a torch dtype")
     return dtype
+
+
+def release_frames(error: BaseException) -> None:
+    """Free the local variables of the finished frames in ``error``'s
+    traceback and those of its causes (the error itself is kept, with its
+    message): a failed transfer's frames hold its work and process group."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 class ConnectorCore:

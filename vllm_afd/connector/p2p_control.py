@@ -254,6 +254,53 @@ class P2PControlPlane(ControlPlane):
             for ch in ready:
                 ch.fill()
 
+    def rejoin_after_failure(self) -> str | None:
+        """A step failed mid-way: the session re-forms unless a served
+        attention rank died (EOF without SHUTDOWN), sent garbage, or shut down
+        for good. An attention rank that gave up on this rank (it was stopped,
+        hung or cut off) shuts down with a ``REJOIN`` reason once its own step
+        wait ends, within ``timeout_s``: the wait lasts until every served
+        rank left, at most twice ``timeout_s``. Ranks still connected then are
+        told to re-form by this endpoint's ``close`` (its reason begins with
+        ``REJOIN``)."""
+        wait_s = 2 * self._timeout_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            rejoin, connected = None, []
+            for i, ch in enumerate(self._channels):
+                try:
+                    ch.fill()
+                except AFDProtocolError:
+                    return None
+                reason = self._shutdown.get(i)
+                for msg in ch.inbox:
+                    if reason is None and msg["type"] == MsgType.SHUTDOWN.value:
+                        reason = str(msg.get("reason", ""))
+                if reason is not None:
+                    if not reason.startswith(protocol.REJOIN):
+                        return None
+                    rejoin = rejoin or f"{ch.peer} shut down ({reason})"
+                elif ch.eof:
+                    return None
+                else:
+                    connected.append(ch)
+            left = deadline - time.monotonic()
+            if not connected or left <= 0 or self._closed:
+                break
+            try:
+                ready, _, _ = select.select([self._wake_r, *connected], [], [], left)
+            except (OSError, ValueError):
+                return None
+            if self._wake_r in ready:
+                return None
+        if self._closed:
+            return None
+        self.reform = rejoin or (
+            f"{', '.join(c.peer for c in connected)} still connected "
+            f"{wait_s:g}s after the failed step"
+        )
+        return self.reform
+
     # --------------------------------------------------------------- both
     def peer_failure(self, peer: int) -> str | None:
         try:

@@ -4,7 +4,10 @@ Wraps ``torch.distributed.ProcessGroupGloo`` / ``ProcessGroupNCCL``, built
 directly on a ``TCPStore`` (hosted by ffn rank 0 at ``afd.host:afd.port + 1``,
 bound to that address only) under a
 ``PrefixStore`` named after the rendezvous session. The default process group
-is never touched: vLLM owns it in the same process.
+is never touched: vLLM owns it in the same process. FFN rank 0 hosts the store
+once per process and address, for every session: when the deployment re-forms
+after a failed step, the last session's group can still hold the old store
+(pending receives, the error's frames), so a new one could not bind the port.
 
 World: ``A + F`` members, FFN ranks first (``Topology.global_rank``). Each
 exchange is a tagged ``send``/``recv``; Gloo matches on the tag, so a receive
@@ -32,6 +35,9 @@ from vllm_afd.errors import (
     AFDPeerError,
     AFDTimeoutError,
 )
+
+#: (host, port) -> the store this process hosts there, kept for every session
+_HOSTED: dict[tuple[str, int], dist.TCPStore] = {}
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -123,11 +129,15 @@ class P2PDataPlane(DataPlane):
     def prepare(self) -> None:
         if self._rank != 0:
             return
+        key = (self._host, self._store_port)
+        if key in _HOSTED:  # an earlier session's: sessions have own prefixes
+            self._store = _HOSTED[key]
+            return
         # Bind the store to afd.host only (TCPStore alone binds every
         # interface): hand it a socket listening there.
         sock = listen(self._host, self._store_port)
         try:
-            self._store = dist.TCPStore(
+            self._store = _HOSTED[key] = dist.TCPStore(
                 self._host, self._store_port, None, True,
                 _td(self._connect_timeout_s), wait_for_workers=False,
                 master_listen_fd=sock.detach(),
@@ -202,6 +212,8 @@ class P2PDataPlane(DataPlane):
 
     def close(self) -> None:
         # Dropping the group closes its connections: peers blocked on us see
-        # "connection closed" at once instead of waiting for their timeout.
+        # "connection closed" at once instead of waiting for their timeout
+        # (the connector drops what else holds it: see AFDConnector.close).
+        # A hosted store stays (``_HOSTED``) for the next session.
         self._pg = None
         self._store = None

@@ -180,7 +180,9 @@ class FFNLoop:
             if not self._stopping.is_set():
                 error = exc
                 self.error = exc
-                logger.error("AFD FFN loop failed: %s", exc, exc_info=exc)
+                # a connector error says what and where; anything else is a bug
+                trace = None if isinstance(exc, AFDConnectorError) else exc
+                logger.error("AFD FFN loop failed: %s", exc, exc_info=trace)
         finally:
             if self.on_exit is not None:
                 self.on_exit(error)

@@ -25,7 +25,12 @@ from vllm_afd import envs
 from vllm_afd.config import afd_config_of
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.connector.protocol import REJOIN
-from vllm_afd.errors import FFN_SERVES_NO_REQUESTS, AFDError
+from vllm_afd.errors import (
+    FFN_SERVES_NO_REQUESTS,
+    AFDError,
+    AFDPeerError,
+    AFDTimeoutError,
+)
 from vllm_afd.models.protocols import RoleSplitModel
 from vllm_afd.worker.endpoint import open_endpoint
 from vllm_afd.worker.ffn_loop import FFNLoop, StepGraphs
@@ -215,8 +220,19 @@ class FFNSideMixin(AFDRunnerMixin):
         # the loop's own connector: with tensor parallelism a TPRelay, which
         # knows the leader's reason on every TP rank
         served = loop.connector if loop is not None else connector
-        again = getattr(served, "rejoining", None) if error is None else None
         stopping = loop is not None and loop.stopping
+        again = getattr(served, "rejoining", None) if error is None else None
+        if (
+            isinstance(error, (AFDPeerError, AFDTimeoutError))
+            and served is connector
+            and connector is not None
+            and not stopping
+        ):
+            # A step failed mid-way, e.g. this rank was stopped or cut off
+            # and its attention ranks gave up on it: rendezvous again unless
+            # one of them died. (With FFN tensor parallelism the other TP
+            # ranks are inside the step: the server stops, to be restarted.)
+            again = connector.rejoin_after_failure()
         if again is not None and not stopping:
             # Off the loop's thread: the rendezvous waits for the others.
             threading.Thread(
