@@ -37,7 +37,7 @@ CASES = [
     # (arch, dtype, extra vLLM args, start attention first)
     # Each family compiled, each dtype compiled: fp32 compiled on V2, bf16
     # compiled (two-part F2A, routed scaling 2.5) on V3; bf16 eager on V3 (V2
-    # runs eager in fp32 in test_gate_on_attention.py and test_scale_out.py).
+    # runs eager in fp32 with tensor parallelism 2 in test_scale_out.py).
     # Servers are slow on two cores, so the other pairings are left out; the
     # two start orders are split between the cases.
     ("deepseek_v2", "float32", [], True),

@@ -1,8 +1,8 @@
 """Every model family through the one generic role split, exact against plain vLLM.
 
 For each family ``vllm-afd tiny-model`` writes (3 layers; layer 0 dense where
-the family has dense layers): AFD 1A1F with the gate on the FFN role and AFD
-1A1F (Qwen2-MoE: 2A1F) with the gate on the attention role, each compared
+the family has dense layers): AFD 1A1F (Qwen2-MoE: 2A1F) with the gate on the
+attention role, and Mixtral also with the gate on the FFN role, each compared
 token-for-token (and top-5 logprobs) with one plain vLLM server of the same
 model and settings (fp32, eager). Each deployment also proves the role split
 from the roles' own start-up lines: the attention role holds no expert weights,
@@ -35,14 +35,16 @@ LAYOUTS = {
 }
 
 # (family, attention ranks, gate on attention): every family with the gate on
-# either role; one of them (Qwen2-MoE: a shared expert with its own gate) with
-# two attention ranks merged on the FFN (routing payloads of two ranks); the
-# merge itself is family-independent (tests/connector contract suite, 2A1F in
-# test_faults.py).
-# Qwen3-MoE with the gate on the FFN role is the model of test_faults.py,
-# exact there at 1A1F and 2A1F (and across hosts in test_multi_host.py), so
-# it is not run again here.
-CASES = [(f, 1, False) for f in LAYOUTS if f != "qwen3_moe"] + [
+# the attention role, where the split is the family's own (its router taken
+# out of the MoE block, routing payloads sent); one of them (Qwen2-MoE: a
+# shared expert with its own gate) with two attention ranks merged on the FFN
+# (routing payloads of two ranks). With the gate on the FFN role the FFN runs
+# the family's MoE block as vLLM built it: Mixtral here (its router runs
+# before the fused-MoE runner, no shared experts), Qwen3-MoE in
+# test_faults.py (1A1F, 2A1F) and test_multi_host.py, DeepSeek-V2/V3 in
+# test_exact_1a1f.py. The merge itself is family-independent (tests/connector
+# contract suite, 2A1F in test_faults.py).
+CASES = [("mixtral", 1, False)] + [
     (f, 2 if f == "qwen2_moe" else 1, True) for f in LAYOUTS
 ]
 
