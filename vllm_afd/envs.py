@@ -15,6 +15,11 @@ must not appear on a command line, or change diagnostics.
 ``AFD_SECRET``
     The shared secret that authenticates the connector's rendezvous (HELLO
     and JOIN); the same on every role. See docs/connector.md.
+``AFD_STOP_NOTE``
+    Set by ``vllm-afd launch`` in each FFN role's environment: a file where
+    the FFN role writes why, when it stops its server because its attention
+    peers shut down for good (the deployment was stopped). The launcher then
+    stops its node instead of restarting the rank.
 ``AFD_KEEP_FFN_ALIVE``
     ``1`` keeps an FFN server running after its attention peers shut down
     (default: it stops itself).
@@ -43,6 +48,7 @@ AFD_SERVER_PID = "AFD_SERVER_PID"
 AFD_LAUNCHER_PID = "AFD_LAUNCHER_PID"
 AFD_SECRET = "AFD_SECRET"
 AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
+AFD_STOP_NOTE = "AFD_STOP_NOTE"
 AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
 AFD_PROFILE_SKIP = "AFD_PROFILE_SKIP"
@@ -67,6 +73,17 @@ def secret() -> str | None:
 def mark_server_process() -> None:
     """Record this process as the server's root (inherited by its children)."""
     os.environ[AFD_SERVER_PID] = str(os.getpid())
+
+
+def note_stop(why: str) -> None:
+    """Write ``why`` to ``AFD_STOP_NOTE``, where it is set (best effort)."""
+    path = os.environ.get(AFD_STOP_NOTE)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(why)
+        except OSError:
+            pass
 
 
 def keep_ffn_alive() -> bool:

@@ -8,7 +8,9 @@ loopback) on the same model and settings. Then FFN rank 1, beside the
 headless attention rank, is SIGKILLed: its host's launcher restarts it, the
 API host's ``/health`` answers 503 (its own rank's FFN rank re-forms the
 deployment) until every rank has rejoined, the attention server and FFN rank
-0 keep running (same processes), and the output is exact again.
+0 keep running (same processes), and the output is exact again. Last, the
+API host's launcher is stopped (SIGTERM): every other host's launcher stops
+its roles by itself and exits 0, restarting nothing.
 
 This is also the CI test of one FFN rank of 2A2F dying (the M:N fault):
 every attention rank pauses, not only the dead rank's peer. Every link of
@@ -66,6 +68,8 @@ CASES = {
 }
 #: an FFN restart (after the launcher's 1 s backoff) and the re-form
 RECOVER_S = 300.0
+#: the other nodes stop by themselves this long after the API node's launcher
+STOP_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +139,31 @@ def _kill_ffn_and_rejoin(
     return {"/health 503": down, "serving again": back}
 
 
+def _stop_from_the_api_node(nodes: list[Collected]) -> float:
+    """Stop the API node's launcher (SIGTERM): it exits 0, and every other
+    node's launcher stops its node by itself and exits 0, saying why; no
+    FFN rank is restarted. Seconds from the API node's exit to the last."""
+
+    def restarts() -> int:
+        return sum("again (restart" in x for n in nodes for x in n.lines)
+
+    before = restarts()
+    nodes[0].stop()
+    assert nodes[0].proc.returncode == 0, "".join(nodes[0].lines[-40:])
+    stopped = time.monotonic()
+    for i, node in enumerate(nodes[1:], 1):
+        wait_for(
+            lambda n=node: n.proc.poll() is not None,
+            STOP_S,
+            f"node {i}'s launcher to stop by itself",
+        )
+        tail = "".join(node.lines[-40:])
+        assert node.proc.returncode == 0, tail
+        assert any("stopped by itself" in x for x in node.lines), tail
+    assert restarts() == before, "an FFN rank was restarted after the stop"
+    return time.monotonic() - stopped
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_roles_on_several_hosts_are_exact(model, plain, case):
     a, f, att, ffn, n, kill_on = CASES[case]
@@ -159,6 +188,7 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
             if kill_on is not None:
                 assert_same_outputs(outputs, plain, atol=ATOL)
                 fault = _kill_ffn_and_rejoin(nodes, kill_on, url, TEXTS, plain)
+            fault["other nodes stopped"] = _stop_from_the_api_node(nodes)
         except BaseException:
             for i, node in enumerate(nodes):
                 print(f"--- node {i}:\n" + "".join(node.lines[-80:]))

@@ -17,6 +17,7 @@ import pytest
 from vllm_afd.cli.launch import (
     MAX_BACKOFF_S,
     Deployment,
+    DeploymentEnded,
     DeploymentSpec,
     LaunchError,
     RoleProcess,
@@ -40,15 +41,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _role(name: str) -> RoleProcess:
+#: an FFN stand-in that, on SIGUSR1, does what the FFN role does when its
+#: attention peers shut down for good: say so (AFD_STOP_NOTE), stop (exit 0)
+ENDING = (
+    "import os, signal\n"
+    "from vllm_afd import envs\n"
+    "def end(*_):\n"
+    "    envs.note_stop('attention peers shut down')\n"
+    "    os._exit(0)\n"
+    "signal.signal(signal.SIGUSR1, end)\n" + SERVER
+)
+
+
+def _role(name: str, program: str = SERVER) -> RoleProcess:
     port = _free_port()
-    argv = [sys.executable, "-c", SERVER, str(port)]
+    argv = [sys.executable, "-c", program, str(port)]
     return RoleProcess(name, argv, port, dict(os.environ))
 
 
-def _deployment(**spec_kw) -> Deployment:
+def _deployment(ffn_program: str = SERVER, **spec_kw) -> Deployment:
     deployment = Deployment(DeploymentSpec(model="m", **spec_kw), log=None)
-    deployment.processes = [_role("ffn"), _role("attention")]
+    deployment.processes = [_role("ffn", ffn_program), _role("attention")]
     for proc in deployment.processes:
         proc.start(None)
     deadline = time.monotonic() + 30
@@ -138,5 +151,29 @@ def test_a_dead_attention_process_stops_every_role():
         with pytest.raises(LaunchError, match="an attention rank cannot rejoin"):
             deployment.supervise()
         assert deployment.processes[0].exit_code() is not None
+    finally:
+        deployment.stop(5)
+
+
+def test_an_ffn_rank_that_stopped_for_good_stops_the_node_unrestarted(capsys):
+    """An FFN rank whose attention peers shut down for good (the deployment
+    was stopped, e.g. from its API server's node) is not restarted: the
+    launcher stops every role of its node and ends without an error."""
+    deployment = _deployment(ffn_program=ENDING)
+    ffn = deployment.processes[0]
+    note = ffn.stop_note
+    try:
+        deployment.supervise()  # running: nothing to do
+        os.kill(ffn.proc.pid, signal.SIGUSR1)
+        assert ffn.proc.wait(10) == 0
+        with pytest.raises(DeploymentEnded) as ended:
+            deployment.supervise()
+        assert str(ended.value) == (
+            "ffn stopped by itself (attention peers shut down: the deployment "
+            "was stopped); every role of this node stops"
+        )
+        assert all(p.exit_code() is not None for p in deployment.processes)
+        assert "restarting" not in capsys.readouterr().err
+        assert note is not None and not os.path.exists(note)
     finally:
         deployment.stop(5)

@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from vllm_afd import envs
 from vllm_afd.cli import placement
 from vllm_afd.cli.placement import Placement, PlacementError
 from vllm_afd.config import DEFAULT_PORT
@@ -39,6 +41,11 @@ CPU_COMPILATION_CONFIG = '{"custom_ops":["all","-rotary_embedding"]}'
 
 class LaunchError(RuntimeError):
     """A role process failed to start or died."""
+
+
+class DeploymentEnded(LaunchError):
+    """An FFN rank stopped by itself because its attention peers shut down
+    for good: the deployment was stopped (from another node). Not a failure."""
 
 
 @dataclass
@@ -60,6 +67,8 @@ class RoleProcess:
     last_healthy: float = 0.0
     restarts: int = 0  # in a row: reset once the rank ran STABLE_S
     restart_at: float | None = None
+    # FFN: the file (AFD_STOP_NOTE) where the role says why it stopped for good
+    stop_note: str | None = None
 
     @property
     def is_ffn(self) -> bool:
@@ -73,9 +82,16 @@ class RoleProcess:
     def start(self, log: IO[str] | None) -> None:
         self.started_at = time.monotonic()
         self.healthy_since_start = False
+        env = self.env
+        if self.is_ffn:
+            if self.stop_note is None:
+                fd, self.stop_note = tempfile.mkstemp(prefix=f"afd-{self.name}-")
+                os.close(fd)
+            Path(self.stop_note).write_text("")
+            env = {**env, envs.AFD_STOP_NOTE: self.stop_note}
         self.proc = subprocess.Popen(
             self.argv,
-            env=self.env,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -89,6 +105,22 @@ class RoleProcess:
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    def stopped_for_good(self) -> str | None:
+        """FFN: why the role stopped its server because its attention peers
+        shut down for good (``AFD_STOP_NOTE``); None if it did not."""
+        if self.stop_note is None:
+            return None
+        try:
+            return Path(self.stop_note).read_text() or None
+        except OSError:
+            return None
+
+    def forget_stop_note(self) -> None:
+        if self.stop_note is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.stop_note)
+            self.stop_note = None
 
     def healthy(self) -> bool:
         if self.headless:
@@ -633,11 +665,24 @@ class Deployment:
         :data:`STABLE_S` starts the count again).
 
         Raises:
+            DeploymentEnded: an FFN rank stopped by itself because its
+                attention peers shut down for good (the deployment was
+                stopped, e.g. from the node of its API server); every role is
+                stopped first.
             LaunchError: an attention process exited (an attention rank
                 cannot rejoin: the deployment stops), an FFN rank exited with
                 restarts off or used up; every role is stopped first.
         """
         now = time.monotonic() if now is None else now
+        # First: a node's attention server may exit at about the time its FFN
+        # rank says the deployment was stopped; that is no failure.
+        for proc in self.processes:
+            if proc.is_ffn and (why := proc.stopped_for_good()) is not None:
+                self.stop()
+                raise DeploymentEnded(
+                    f"{proc.name} stopped by itself ({why}: the deployment was "
+                    "stopped); every role of this node stops"
+                )
         for proc in self.processes:
             code = proc.exit_code()
             if not proc.is_ffn and code is not None:
@@ -726,9 +771,11 @@ class Deployment:
             deadline = time.monotonic() + min(timeout, STARTING_STOP_S)
             for proc in self.processes:
                 proc.finish_stop(deadline)
-            return
-        for proc in reversed(self.processes):
-            proc.stop(timeout)
+        else:
+            for proc in reversed(self.processes):
+                proc.stop(timeout)
+        for proc in self.processes:
+            proc.forget_stop_note()
 
     def __enter__(self) -> Deployment:
         self.start()
@@ -960,6 +1007,8 @@ def run_launch(args: argparse.Namespace) -> int:
             stop.wait(1.0)
     except (KeyboardInterrupt, _Stopped):
         pass
+    except DeploymentEnded as exc:
+        print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
     except LaunchError as exc:
         print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
         return 1

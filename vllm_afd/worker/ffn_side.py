@@ -247,6 +247,8 @@ class FFNSideMixin(AFDRunnerMixin):
         if error is None and envs.keep_ffn_alive():
             return
         why = "attention peers shut down" if error is None else f"loop failed: {error}"
+        if error is None:
+            envs.note_stop(why)  # for good: a launcher stops its node
         if error is None and connector is not None:
             # Say so to the session's members now (FFN rank 0: the ranks not
             # served by it): a member that only saw this process's sockets
