@@ -268,22 +268,14 @@ class P2PControlPlane(ControlPlane):
         while True:
             rejoin, connected = None, []
             for i, ch in enumerate(self._channels):
-                try:
-                    ch.fill()
-                except AFDProtocolError:
-                    return None
+                why = self._failure_of(i)  # records a SHUTDOWN's reason
                 reason = self._shutdown.get(i)
-                for msg in ch.inbox:
-                    if reason is None and msg["type"] == MsgType.SHUTDOWN.value:
-                        reason = str(msg.get("reason", ""))
-                if reason is not None:
-                    if not reason.startswith(protocol.REJOIN):
-                        return None
-                    rejoin = rejoin or f"{ch.peer} shut down ({reason})"
-                elif ch.eof:
-                    return None
-                else:
+                if why is None:
                     connected.append(ch)
+                elif reason is None or not reason.startswith(protocol.REJOIN):
+                    return None  # died, sent garbage, or stopped for good
+                else:
+                    rejoin = rejoin or f"{ch.peer} {why}"
             left = deadline - time.monotonic()
             if not connected or left <= 0 or self._closed:
                 break
