@@ -242,6 +242,39 @@ def test_the_first_served_step_waits_up_to_warmup_timeout_s(connector):
     ffn.close()
 
 
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_a_dummy_step_after_a_served_one_waits_up_to_timeout_s(connector):
+    """A WARMUP step before the first served step (profile, compile) may wait
+    warmup_timeout_s; once a step was served, a WARMUP step is an idle
+    data-parallel rank's dummy forward and waits timeout_s."""
+    sc = S.Scenario(connector, S.free_port(), 1, 1, timeout_s=0.3)
+    limits = {"warmup_timeout_s": 3.0}
+    att = S._connector(sc, "attention", 0, **limits)
+    ffn = S._connector(sc, "ffn", 0, **limits)
+    t = threading.Thread(target=att.start)
+    t.start()
+    ffn.start()
+    t.join()
+    hidden = torch.ones(1, sc.hidden)
+    for step, mode, delay in ((0, ExecMode.WARMUP, 0.8), (1, ExecMode.EAGER, 0.8)):
+        att.send_plan(StepPlan(step, mode, (1,)))
+        assert ffn.recv_plan().step_id == step
+        late = threading.Timer(delay, lambda: att.send_a2f(0, 0, hidden))
+        late.start()
+        assert torch.equal(ffn.recv_a2f(0, 0).hidden, hidden)  # > timeout_s
+        late.join()
+        ffn.send_f2a(0, 0, hidden).wait()
+        assert torch.equal(att.irecv_f2a(0, 0).wait(), hidden)
+    att.send_plan(StepPlan(2, ExecMode.WARMUP, (1,)))
+    assert ffn.recv_plan().step_id == 2
+    t0 = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match=r"timed out after 0.3s waiting"):
+        ffn.recv_a2f(0, 0)
+    assert time.monotonic() - t0 < 2.0
+    att.close()
+    ffn.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", [False, True], ids=["ffn-gate", "attention-gate"])
 @pytest.mark.parametrize("topo", [(1, 1), (2, 1)], ids=["1A1F", "2A1F"])

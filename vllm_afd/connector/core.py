@@ -230,13 +230,17 @@ class ConnectorCore:
 
     def _begin_step(self, step_id: int, mode: ExecMode) -> None:
         """A new plan: its tag bits, and its waits' timeout (``warmup_timeout_s``
-        in WARMUP/CAPTURE steps and in the first served step of this
-        endpoint, whose shapes run for the first time: lazily built kernels,
-        first-touch allocations; ``timeout_s`` otherwise). Both sides see the
-        same plans, so they agree on each step's limit."""
+        in CAPTURE steps, in WARMUP steps until this endpoint served a step,
+        and in its first served step, whose shapes run for the first time:
+        lazily built kernels, first-touch allocations; ``timeout_s``
+        otherwise). A WARMUP step after a served one is an idle
+        data-parallel rank's dummy forward: at ``timeout_s`` a hung FFN rank
+        does not hold it, nor, through vLLM's DP synchronisation, the ranks
+        that serve requests. Both sides see the same plans, so they agree on
+        each step's limit."""
         self._step_id, self._step_bits = step_id, step_tag(step_id)
         start_up = mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
-        slow = start_up or not self._served_a_step
+        slow = mode is ExecMode.CAPTURE or not self._served_a_step
         self._served_a_step = self._served_a_step or not start_up
         self._wait_timeout_s = self._warmup_timeout_s if slow else self._timeout_s
         self._steps += 1
