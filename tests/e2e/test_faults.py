@@ -135,7 +135,12 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             rejoined = wait_every_api_server(
                 lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
             )
-            time.sleep(1.0)  # a few requests after the rejoin
+            after = len(seen)
+            wait_for(
+                lambda: sum(s[0] == 200 for s in seen[after:]) >= 2,
+                60,
+                "two requests served after the rejoin",
+            )
             stop.set()
             load.join(90)
             assert supervisor.error is None, supervisor.error
