@@ -211,10 +211,21 @@ def test_stats_and_async_handles(connector):
     ffn.close()
 
 
+#: Steps whose waits may last warmup_timeout_s, then the step that must wait
+#: timeout_s: the first served step (its shapes run for the first time:
+#: lazily built kernels) and the step after it; a WARMUP step before the first
+#: served step (profile, compile) and a WARMUP step after a served one (an idle
+#: data-parallel rank's dummy forward).
+SLOW_THEN_FAST = {
+    "first-served-step": ((ExecMode.EAGER,), ExecMode.EAGER),
+    "dummy-after-served": ((ExecMode.WARMUP, ExecMode.EAGER), ExecMode.WARMUP),
+}
+
+
+@pytest.mark.parametrize("steps", SLOW_THEN_FAST.values(), ids=SLOW_THEN_FAST)
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_the_first_served_step_waits_up_to_warmup_timeout_s(connector):
-    """Its shapes run for the first time (lazily built kernels): a wait of
-    the first EAGER step may last warmup_timeout_s, later ones timeout_s."""
+def test_which_steps_wait_up_to_warmup_timeout_s(connector, steps):
+    slow, fast = steps
     sc = S.Scenario(connector, S.free_port(), 1, 1, timeout_s=0.3)
     limits = {"warmup_timeout_s": 3.0}
     att = S._connector(sc, "attention", 0, **limits)
@@ -224,49 +235,17 @@ def test_the_first_served_step_waits_up_to_warmup_timeout_s(connector):
     ffn.start()
     t.join()
     hidden = torch.ones(1, sc.hidden)
-    att.send_plan(StepPlan(0, ExecMode.EAGER, (1,)))
-    assert ffn.recv_plan().step_id == 0
-    late = threading.Timer(0.8, lambda: att.send_a2f(0, 0, hidden))
-    late.start()
-    assert torch.equal(ffn.recv_a2f(0, 0).hidden, hidden)  # 0.8 s > timeout_s
-    late.join()
-    ffn.send_f2a(0, 0, hidden).wait()
-    assert torch.equal(att.irecv_f2a(0, 0).wait(), hidden)
-    att.send_plan(StepPlan(1, ExecMode.EAGER, (1,)))
-    assert ffn.recv_plan().step_id == 1
-    t0 = time.monotonic()
-    with pytest.raises(AFDTimeoutError, match=r"timed out after 0.3s waiting"):
-        ffn.recv_a2f(0, 0)
-    assert time.monotonic() - t0 < 2.0
-    att.close()
-    ffn.close()
-
-
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_a_dummy_step_after_a_served_one_waits_up_to_timeout_s(connector):
-    """A WARMUP step before the first served step (profile, compile) may wait
-    warmup_timeout_s; once a step was served, a WARMUP step is an idle
-    data-parallel rank's dummy forward and waits timeout_s."""
-    sc = S.Scenario(connector, S.free_port(), 1, 1, timeout_s=0.3)
-    limits = {"warmup_timeout_s": 3.0}
-    att = S._connector(sc, "attention", 0, **limits)
-    ffn = S._connector(sc, "ffn", 0, **limits)
-    t = threading.Thread(target=att.start)
-    t.start()
-    ffn.start()
-    t.join()
-    hidden = torch.ones(1, sc.hidden)
-    for step, mode, delay in ((0, ExecMode.WARMUP, 0.8), (1, ExecMode.EAGER, 0.8)):
+    for step, mode in enumerate(slow):
         att.send_plan(StepPlan(step, mode, (1,)))
         assert ffn.recv_plan().step_id == step
-        late = threading.Timer(delay, lambda: att.send_a2f(0, 0, hidden))
+        late = threading.Timer(0.8, lambda: att.send_a2f(0, 0, hidden))
         late.start()
-        assert torch.equal(ffn.recv_a2f(0, 0).hidden, hidden)  # > timeout_s
+        assert torch.equal(ffn.recv_a2f(0, 0).hidden, hidden)  # 0.8 s > timeout_s
         late.join()
         ffn.send_f2a(0, 0, hidden).wait()
         assert torch.equal(att.irecv_f2a(0, 0).wait(), hidden)
-    att.send_plan(StepPlan(2, ExecMode.WARMUP, (1,)))
-    assert ffn.recv_plan().step_id == 2
+    att.send_plan(StepPlan(len(slow), fast, (1,)))
+    assert ffn.recv_plan().step_id == len(slow)
     t0 = time.monotonic()
     with pytest.raises(AFDTimeoutError, match=r"timed out after 0.3s waiting"):
         ffn.recv_a2f(0, 0)
