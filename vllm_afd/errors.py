@@ -10,6 +10,7 @@ the field or peer, the value, and the fix::
         ├── AFDProtocolError                handshake or message mismatch
         ├── AFDTimeoutError                 a blocking wait ran out (also TimeoutError)
         ├── AFDPeerError                    the peer closed, died or shut down
+        │   └── AFDPeerStopped              … shut down for good mid-step (a stop)
         └── AFDFFNUnavailable               an attention step ran without its FFN rank
 
 This module imports nothing from vLLM or torch.
@@ -50,6 +51,12 @@ class AFDTimeoutError(AFDConnectorError, TimeoutError):
 
 class AFDPeerError(AFDConnectorError):
     """The peer closed the connection, died, or sent SHUTDOWN."""
+
+
+class AFDPeerStopped(AFDPeerError):
+    """A peer shut down for good (SHUTDOWN whose reason is no rejoin) while
+    this endpoint waited on it inside a step: the deployment is stopping,
+    nothing failed."""
 
 
 #: how every AFDFFNUnavailable message begins (it survives the string an

@@ -116,7 +116,9 @@ def test_shutdown_from_ffn_unblocks_attention(connector):
     assert results[("ffn", 0)] == {"ok": True, "steps": 2, "stats_steps": 2}
     for rank in range(2):
         r = results[("attention", rank)]
-        assert r["error"] == "AFDPeerError" and "shut down" in r["message"], r
+        # inside a step p2p tells a stop from a loss (AFDPeerStopped)
+        assert r["error"] in ("AFDPeerError", "AFDPeerStopped"), r
+        assert "shut down" in r["message"], r
 
 
 # ---------------------------------------------------------------------------

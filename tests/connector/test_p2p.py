@@ -692,6 +692,32 @@ def test_ffn_rank_0_hosts_the_data_plane_store_once_per_process():
     new.close()
 
 
+@pytest.mark.parametrize("reason", ["closed", protocol.REJOIN + "lost ffn rank 0"])
+def test_an_attention_rank_that_stops_mid_step_ends_the_ffn_step_as_a_stop(reason):
+    """1A1F inside a step: the attention rank sends its plan and shuts down
+    before its A2F (its deployment was stopped while it served). A SHUTDOWN
+    for good ends the FFN rank's wait with :class:`AFDPeerStopped` (its loop
+    then stops as between steps); one that rejoins, with a plain
+    :class:`AFDPeerError` (a failed step)."""
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+    from vllm_afd.errors import AFDPeerError, AFDPeerStopped
+
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=20.0)
+    ffn, att = _Endpoint(sc, "ffn", 0), _Endpoint(sc, "attention", 0)
+    for ep in (ffn, att):
+        assert ep.started.wait(30), (ffn.error, att.error)
+    try:
+        att.conn.send_plan(StepPlan(1, ExecMode.EAGER, (1,)))
+        assert ffn.conn.recv_plan() is not None
+        att.conn.close(reason)
+        with pytest.raises(AFDPeerError, match="attention rank 0 shut down") as e:
+            ffn.conn.recv_a2f(0, 0)
+    finally:
+        ffn.conn.close()
+        att.conn.close()
+    assert isinstance(e.value, AFDPeerStopped) == (reason == "closed"), e.value
+
+
 def test_an_ffn_rank_closed_after_a_failed_step_ends_every_wait_on_it_at_once():
     """2A1F in a start-up step (waits of ``warmup_timeout_s``, 60 s): attention
     rank 0 sent its A2F and waits for the F2A; attention rank 1 leaves to

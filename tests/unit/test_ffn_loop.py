@@ -10,7 +10,7 @@ import torch
 
 from vllm_afd.config import parse_afd_config
 from vllm_afd.connector import ExecMode, Fingerprint, StepPlan, create_connector
-from vllm_afd.errors import AFDPeerError
+from vllm_afd.errors import AFDPeerError, AFDPeerStopped
 from vllm_afd.worker.ffn_loop import FFNLoop
 
 HIDDEN = 8
@@ -112,6 +112,28 @@ def test_ffn_loop_compute_error_is_kept_and_handed_to_on_exit() -> None:
     ffn.close()
     with pytest.raises(AFDPeerError):
         attn.recv_f2a(0, 0)
+    attn.close()
+
+
+def test_a_peer_stopped_inside_a_step_ends_the_loop_without_error() -> None:
+    """A served attention rank that shut down for good inside a step (its
+    deployment was stopped while it served) ends the loop as a SHUTDOWN
+    between steps does: ``on_exit(None)``, no error kept."""
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    exits: list[BaseException | None] = []
+
+    def stopped(layer_idx: int, batch) -> torch.Tensor:
+        raise AFDPeerStopped("attention rank 0 shut down (closed) while waiting")
+
+    loop = FFNLoop(ffn, stopped, LAYERS, on_exit=exits.append)
+    loop.start()
+    attn.send_plan(StepPlan(1, ExecMode.EAGER, (2,)))
+    attn.send_a2f(0, 0, torch.ones(2, HIDDEN))
+    loop._thread.join(10)
+    assert not loop.alive
+    assert exits == [None] and loop.error is None
+    ffn.close()
     attn.close()
 
 

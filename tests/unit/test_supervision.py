@@ -10,10 +10,12 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import pytest
 
+from vllm_afd.cli import launch
 from vllm_afd.cli.launch import (
     MAX_BACKOFF_S,
     Deployment,
@@ -142,7 +144,8 @@ def test_a_hung_ffn_rank_is_killed_and_restarted(capsys):
         deployment.stop(5)
 
 
-def test_a_dead_attention_process_stops_every_role():
+def test_a_dead_attention_process_stops_every_role(monkeypatch):
+    monkeypatch.setattr(launch, "STOP_NOTE_GRACE_S", 0.5)  # the FFN never says
     deployment = _deployment()
     try:
         attention = deployment.processes[1]
@@ -175,5 +178,24 @@ def test_an_ffn_rank_that_stopped_for_good_stops_the_node_unrestarted(capsys):
         assert all(p.exit_code() is not None for p in deployment.processes)
         assert "restarting" not in capsys.readouterr().err
         assert note is not None and not os.path.exists(note)
+    finally:
+        deployment.stop(5)
+
+
+def test_an_attention_exit_just_before_the_ffn_says_stopped_is_no_failure():
+    """Across hosts, a headless attention rank may exit (its data-parallel
+    peer on the API node went away) a moment before the FFN rank of its node
+    says the deployment was stopped: the launcher waits for that word
+    (``STOP_NOTE_GRACE_S``) and ends without an error."""
+    deployment = _deployment(ffn_program=ENDING)
+    ffn, attention = deployment.processes
+    try:
+        os.killpg(attention.proc.pid, signal.SIGKILL)
+        attention.proc.wait()
+        timer = threading.Timer(1.0, os.kill, (ffn.proc.pid, signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(DeploymentEnded, match="ffn stopped by itself"):
+            deployment.supervise()
+        timer.join()
     finally:
         deployment.stop(5)

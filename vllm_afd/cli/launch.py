@@ -166,6 +166,9 @@ GROUP_GRACE_S = 5.0
 STABLE_S = 60.0
 #: the longest wait before restarting an FFN rank
 MAX_BACKOFF_S = 30.0
+#: seconds the launcher waits, once an attention process exited, for an FFN
+#: rank of its node to say the deployment was stopped (then no failure)
+STOP_NOTE_GRACE_S = 5.0
 #: seconds a role that is still starting gets to stop on SIGTERM (vLLM 0.32.0
 #: defers SIGTERM while its API server waits for the engine to be ready)
 STARTING_STOP_S = 5.0
@@ -667,25 +670,21 @@ class Deployment:
         Raises:
             DeploymentEnded: an FFN rank stopped by itself because its
                 attention peers shut down for good (the deployment was
-                stopped, e.g. from the node of its API server); every role is
-                stopped first.
+                stopped, e.g. from the node of its API server), or says so
+                within :data:`STOP_NOTE_GRACE_S` of this node's attention
+                process exiting; every role is stopped first.
             LaunchError: an attention process exited (an attention rank
                 cannot rejoin: the deployment stops), an FFN rank exited with
                 restarts off or used up; every role is stopped first.
         """
         now = time.monotonic() if now is None else now
-        # First: a node's attention server may exit at about the time its FFN
-        # rank says the deployment was stopped; that is no failure.
-        for proc in self.processes:
-            if proc.is_ffn and (why := proc.stopped_for_good()) is not None:
-                self.stop()
-                raise DeploymentEnded(
-                    f"{proc.name} stopped by itself ({why}: the deployment was "
-                    "stopped); every role of this node stops"
-                )
+        self._end_if_stopped()
         for proc in self.processes:
             code = proc.exit_code()
             if not proc.is_ffn and code is not None:
+                # A node's attention server may exit at about the time its FFN
+                # rank says the deployment was stopped; that is no failure.
+                self._end_if_stopped(within=STOP_NOTE_GRACE_S)
                 self.stop()
                 raise LaunchError(
                     f"the {proc.name} process exited with code {code}; an "
@@ -726,6 +725,24 @@ class Deployment:
                 f"{delay:.0f}s (restart {proc.restarts} of at most "
                 f"{self.spec.ffn_restarts} in a row)"
             )
+
+    def _end_if_stopped(self, within: float = 0.0) -> None:
+        """Raise :class:`DeploymentEnded` (every role stopped first) if an
+        FFN rank of this node says it stopped for good; wait up to ``within``
+        s for one to say so, unless every FFN rank of the node has exited."""
+        deadline = time.monotonic() + within
+        while True:
+            for proc in self.ffns:
+                if (why := proc.stopped_for_good()) is not None:
+                    self.stop()
+                    raise DeploymentEnded(
+                        f"{proc.name} stopped by itself ({why}: the deployment "
+                        "was stopped); every role of this node stops"
+                    )
+            done = all(p.exit_code() is not None for p in self.ffns)
+            if done or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     def _probe(self, proc: RoleProcess, now: float) -> int | None:
         """None while ``proc`` is fine; else what to report as its exit code

@@ -99,6 +99,12 @@ class ControlPlane(ABC):
     def peer_failure(self, peer: int) -> str | None:
         """Why connector rank ``peer`` is gone, or None if nothing is known."""
 
+    def peer_stopped(self, peer: int) -> bool:
+        """Whether connector rank ``peer`` sent SHUTDOWN for good (a stop,
+        not a rejoin); known once ``peer_failure`` read it. The default: no
+        plane tells a stop from a loss."""
+        return False
+
     def rejoin_after_failure(self) -> str | None:
         """FFN: once a step failed (a peer error or timeout), why the session
         re-forms, or None when it ends (the FFN rank then stops). Waits a

@@ -39,6 +39,7 @@ from vllm_afd.errors import (
     AFDConnectorError,
     AFDError,
     AFDPeerError,
+    AFDPeerStopped,
     AFDProtocolError,
     AFDTimeoutError,
 )
@@ -315,7 +316,11 @@ class ConnectorCore:
                     if (why := self._control.peer_failure(peer)) is not None:
                         break
             if why is not None:
-                err = AFDPeerError(f"{name} {why} while {verb} {what}")
+                # a peer that stopped for good ends the step as a stop does
+                cls = (
+                    AFDPeerStopped if self._control.peer_stopped(peer) else AFDPeerError
+                )
+                err = cls(f"{name} {why} while {verb} {what}")
             elif isinstance(err, AFDTimeoutError):
                 err = AFDTimeoutError(
                     f"timed out after {self._wait_timeout_s}s {verb} {what}"

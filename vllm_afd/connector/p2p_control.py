@@ -301,6 +301,13 @@ class P2PControlPlane(ControlPlane):
             return None
         return self._failure_of(index)
 
+    def peer_stopped(self, peer: int) -> bool:
+        try:
+            reason = self._shutdown.get(self._peer_global.index(peer))
+        except ValueError:
+            return False
+        return reason is not None and not reason.startswith(protocol.REJOIN)
+
     def _failure_of(self, index: int) -> str | None:
         if index in self._shutdown:
             return f"shut down ({self._shutdown[index]})"

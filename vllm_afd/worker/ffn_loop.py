@@ -36,7 +36,7 @@ import torch
 from vllm_afd.connector.payloads import A2FBatch
 from vllm_afd.connector.plan import MergedPlan
 from vllm_afd.connector.protocol import ExecMode
-from vllm_afd.errors import AFDConnectorError
+from vllm_afd.errors import AFDConnectorError, AFDPeerStopped
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,9 @@ class FFNLoop:
                     logger.info("AFD FFN loop: attention peers shut down")
                     break
                 self.run_step(plan)
+        except AFDPeerStopped as exc:
+            # a stop that came inside a step ends the loop as one between steps
+            logger.info("AFD FFN loop: attention peers shut down (%s)", exc)
         except BaseException as exc:  # kept, logged and handed to on_exit
             if not self._stopping.is_set():
                 error = exc
