@@ -142,7 +142,9 @@ def _kill_ffn_and_rejoin(
 def _stop_from_the_api_node(nodes: list[Collected]) -> float:
     """Stop the API node's launcher (SIGTERM): it exits 0, and every other
     node's launcher stops its node by itself and exits 0, saying why; no
-    FFN rank is restarted. Seconds from the API node's exit to the last."""
+    FFN rank is restarted (an FFN rank is often inside a step then, and a
+    headless attention rank often exits before its node's FFN rank says the
+    deployment was stopped). Seconds from the API node's exit to the last."""
 
     def restarts() -> int:
         return sum("again (restart" in x for n in nodes for x in n.lines)
