@@ -94,46 +94,37 @@ def test_ffn_loop_serves_merged_peers_exactly_and_ends_on_shutdown() -> None:
     assert loop.stats.last_batch_tokens == 7
 
 
-def test_ffn_loop_compute_error_is_kept_and_handed_to_on_exit() -> None:
+@pytest.mark.parametrize(
+    "raised",
+    [
+        RuntimeError("expert kernel exploded"),
+        AFDPeerStopped("attention rank 0 shut down (closed) while waiting"),
+    ],
+    ids=["compute-error", "peer-stopped"],
+)
+def test_what_ends_a_step_is_kept_unless_a_peer_stopped(raised) -> None:
+    """An error inside a step is kept and handed to ``on_exit``; a served
+    attention rank that shut down for good inside a step (its deployment was
+    stopped while it served) ends the loop as a SHUTDOWN between steps does:
+    ``on_exit(None)``, no error kept."""
     ffn, (attn,) = _pair()
     _start_all(ffn, attn)
     exits: list[BaseException | None] = []
 
-    def broken(layer_idx: int, batch) -> torch.Tensor:
-        raise RuntimeError("expert kernel exploded")
+    def compute(layer_idx: int, batch) -> torch.Tensor:
+        raise raised
 
-    loop = FFNLoop(ffn, broken, LAYERS, on_exit=exits.append)
-    loop.start()
-    attn.send_plan(StepPlan(1, ExecMode.EAGER, (2,)))
-    attn.send_a2f(0, 0, torch.ones(2, HIDDEN))
-    loop._thread.join(10)
-    assert isinstance(loop.error, RuntimeError)
-    assert exits == [loop.error]
-    ffn.close()
-    with pytest.raises(AFDPeerError):
-        attn.recv_f2a(0, 0)
-    attn.close()
-
-
-def test_a_peer_stopped_inside_a_step_ends_the_loop_without_error() -> None:
-    """A served attention rank that shut down for good inside a step (its
-    deployment was stopped while it served) ends the loop as a SHUTDOWN
-    between steps does: ``on_exit(None)``, no error kept."""
-    ffn, (attn,) = _pair()
-    _start_all(ffn, attn)
-    exits: list[BaseException | None] = []
-
-    def stopped(layer_idx: int, batch) -> torch.Tensor:
-        raise AFDPeerStopped("attention rank 0 shut down (closed) while waiting")
-
-    loop = FFNLoop(ffn, stopped, LAYERS, on_exit=exits.append)
+    loop = FFNLoop(ffn, compute, LAYERS, on_exit=exits.append)
     loop.start()
     attn.send_plan(StepPlan(1, ExecMode.EAGER, (2,)))
     attn.send_a2f(0, 0, torch.ones(2, HIDDEN))
     loop._thread.join(10)
     assert not loop.alive
-    assert exits == [None] and loop.error is None
+    kept = None if isinstance(raised, AFDPeerStopped) else raised
+    assert loop.error is kept and exits == [kept]
     ffn.close()
+    with pytest.raises(AFDPeerError):
+        attn.recv_f2a(0, 0)
     attn.close()
 
 
