@@ -55,8 +55,9 @@ class AFDPeerError(AFDConnectorError):
 
 class AFDPeerStopped(AFDPeerError):
     """A peer shut down for good (SHUTDOWN whose reason is no rejoin) while
-    this endpoint waited on it inside a step: the deployment is stopping,
-    nothing failed."""
+    this endpoint exchanged with it inside a step: a stop, not a crash. The
+    FFN loop ends on it as on a SHUTDOWN between steps; the attention side
+    handles it as any :class:`AFDPeerError` (its FFN rank is gone)."""
 
 
 #: how every AFDFFNUnavailable message begins (it survives the string an
