@@ -18,8 +18,10 @@ must not appear on a command line, or change diagnostics.
 ``AFD_STOP_NOTE``
     Set by ``vllm-afd launch`` in each FFN role's environment: a file where
     the FFN role writes why, when it stops its server because its attention
-    peers shut down for good (the deployment was stopped). The launcher then
-    stops its node instead of restarting the rank.
+    peers shut down for good (the deployment was stopped), or, beginning
+    with ``peer died:``, because one of them died. The launcher then stops
+    its node instead of restarting the rank (without an error after a stop,
+    with one after a death).
 ``AFD_KEEP_FFN_ALIVE``
     ``1`` keeps an FFN server running after its attention peers shut down
     (default: it stops itself).
@@ -75,13 +77,18 @@ def mark_server_process() -> None:
     os.environ[AFD_SERVER_PID] = str(os.getpid())
 
 
-def note_stop(why: str) -> None:
-    """Write ``why`` to ``AFD_STOP_NOTE``, where it is set (best effort)."""
+#: how ``AFD_STOP_NOTE`` begins when an attention peer died (not a stop)
+PEER_DIED = "peer died: "
+
+
+def note_stop(why: str, *, peer_died: bool = False) -> None:
+    """Write ``why`` to ``AFD_STOP_NOTE``, where it is set (best effort);
+    ``peer_died``: an attention peer died, the deployment was not stopped."""
     path = os.environ.get(AFD_STOP_NOTE)
     if path:
         try:
             with open(path, "w") as f:
-                f.write(why)
+                f.write((PEER_DIED if peer_died else "") + why)
         except OSError:
             pass
 

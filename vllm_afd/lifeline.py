@@ -11,7 +11,9 @@ descriptor (``pidfd``; a 0.5 s poll where the kernel has none):
   watches the server (``AFD_SERVER_PID``): when the server is gone (killed,
   crashed, or stopped while its engine was still starting, e.g. waiting in
   the connector's rendezvous) the process exits after :data:`GRACE_S`, which
-  leaves a normal shutdown time to finish on its own.
+  leaves a normal shutdown time to finish on its own; at once when the
+  process has said all it must to its peers (:func:`done`: an AFD worker
+  whose connector is closed, left with the interpreter's teardown).
 
 Imports neither vLLM nor torch.
 """
@@ -34,6 +36,13 @@ GRACE_S = 2.0
 POLL_S = 0.5
 
 _watching: dict[int, int] = {}  # this process's pid -> the pid it watches
+_done = threading.Event()
+
+
+def done() -> None:
+    """This process has told its peers it stops: once its server is gone it
+    need not take :data:`GRACE_S` to exit."""
+    _done.set()
 
 
 def install() -> None:
@@ -90,6 +99,8 @@ def _alive(pid: int) -> bool:
 
 def _watch(pid: int, what: str, grace_s: float, group: bool) -> None:
     wait_for_exit(pid)
+    if _done.is_set():
+        grace_s = 0.0
     # stderr may be a pipe to the process that is gone: never let a write
     # error keep this process alive
     with contextlib.suppress(Exception):
@@ -99,7 +110,7 @@ def _watch(pid: int, what: str, grace_s: float, group: bool) -> None:
         )
         sys.stderr.flush()
     if grace_s:
-        time.sleep(grace_s)
+        _done.wait(grace_s)
     if group and os.getpgrp() == os.getpid():
         with contextlib.suppress(OSError):
             os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -151,6 +151,20 @@ time.sleep(60)
 """
 
 
+def _ffn_process(sc: S.Scenario, options: str):
+    """An FFN endpoint (keyword ``options``) in a process of its own, started;
+    it prints ``up`` once started."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    program = _FFN_PROGRAM.format(here=here, port=sc.port).replace(
+        '"ffn", 0)', f'"ffn", 0, {options})'
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True
+    )
+
+
 def _watched_pair(kill: bool) -> tuple[list[str], float]:
     """An attention endpoint watching an FFN endpoint that leaves: SIGKILLed
     (another process) or closed (SHUTDOWN). Returns the messages and the
@@ -208,18 +222,11 @@ def test_a_stopped_ffn_is_reported_after_timeout_s_without_heartbeat():
     and not while the attention rank has planned no served step yet (start-up
     steps compile: the limit is warmup_timeout_s then)."""
     import signal
-    import subprocess
 
     from vllm_afd.connector.protocol import ExecMode, StepPlan
 
     sc = S.Scenario("p2p", S.free_port(), 1, 1)
-    here = os.path.dirname(os.path.abspath(__file__))
-    program = _FFN_PROGRAM.format(here=here, port=sc.port).replace(
-        '"ffn", 0)', '"ffn", 0, timeout_s=1.5, heartbeat_interval_s=0.2)'
-    )
-    ffn = subprocess.Popen(
-        [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True
-    )
+    ffn = _ffn_process(sc, "timeout_s=1.5, heartbeat_interval_s=0.2")
     try:
         att = S._connector(sc, "attention", 0, timeout_s=1.5)
         att.start()
@@ -243,6 +250,48 @@ def test_a_stopped_ffn_is_reported_after_timeout_s_without_heartbeat():
         assert 1.0 <= elapsed <= 1.5 + 1.5, elapsed
         assert lost[0].startswith("ffn rank 0 sent no heartbeat for"), lost
         assert "(timeout_s=1.5): it is hung, stopped or cut off" in lost[0]
+        att.close()
+    finally:
+        ffn.kill()
+        ffn.wait()
+
+
+def test_a_wait_begun_late_in_a_heartbeat_silence_ends_with_the_silence():
+    """With data parallelism an attention rank can begin a step's wait just
+    before its hung FFN rank's heartbeat silence reaches ``timeout_s`` (its
+    peer's step failed first and the ranks step together). The wait ends when
+    the silence reaches its limit, not ``timeout_s`` after the wait began,
+    and its error says why."""
+    import signal
+
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+    from vllm_afd.errors import AFDPeerError
+
+    timeout_s = 2.0
+    sc = S.Scenario("p2p", S.free_port(), 1, 1)
+    ffn = _ffn_process(sc, "heartbeat_interval_s=0.2")
+    try:
+        att = S._connector(sc, "attention", 0, timeout_s=timeout_s)
+        att.start()
+        assert ffn.stdout.readline().strip() == "up"
+        att.watch_peers(lambda message: None)
+        for step in (1, 2):  # the second is past the first served step
+            att.send_plan(StepPlan(step, ExecMode.EAGER, (1,)))
+        att.send_a2f(0, 0, torch.ones(1, sc.hidden))  # never received
+        os.kill(ffn.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        time.sleep(0.6 * timeout_s)  # the wait begins late in the silence
+        began = time.monotonic()
+        with pytest.raises(AFDPeerError) as e:
+            att.irecv_f2a(0, 0).wait()
+        ended = time.monotonic()
+        # the last heartbeat came before the stop: the silence ends by then
+        assert ended - stopped <= timeout_s + 0.5, (ended - stopped, e.value)
+        assert ended - began < timeout_s, (ended - began, e.value)
+        message = str(e.value)
+        assert message.startswith("ffn rank 0 sent no heartbeat for"), message
+        assert "(timeout_s=2): it is hung, stopped or cut off" in message
+        assert message.endswith("(step 2, layer 0, ubatch 0)"), message
         att.close()
     finally:
         ffn.kill()
@@ -612,7 +661,8 @@ def test_after_a_failed_step_the_ffn_rank_rejoins_unless_a_peer_died(rank_1):
     FFN rank re-forms the session unless attention rank 1 died (EOF without
     SHUTDOWN) or shut down for good; a rank still connected is waited for
     twice ``timeout_s`` (1 s here), then the session re-forms anyway, also
-    when no rank left ("stays alone": rank 0 stays too)."""
+    when no rank left ("stays alone": rank 0 stays too). A death is kept in
+    ``peer_gone``."""
     import subprocess
 
     from vllm_afd.connector.protocol import ExecMode, StepPlan
@@ -653,6 +703,13 @@ def test_after_a_failed_step_the_ffn_rank_rejoins_unless_a_peer_died(rank_1):
     )
     if rank_1 in ("stops", "dies"):
         assert why is None and took < 1.0, (why, took)
+        # a death is named (the FFN rank's launcher then stops its node with
+        # an error); a stop is not
+        assert ffn.conn.peer_gone == (
+            "attention rank 1 closed its connection (it exited or was killed)"
+            if rank_1 == "dies"
+            else None
+        )
     elif rank_1 == "rejoins":
         assert why == rank_0_left and took < 1.0, (why, took)
     elif rank_1 == "stays":
@@ -692,6 +749,32 @@ def test_ffn_rank_0_hosts_the_data_plane_store_once_per_process():
     new.close()
 
 
+def test_a_shutdown_read_after_a_failed_heartbeat_is_still_a_shutdown():
+    """An FFN rank stalled (SIGSTOP) past ``timeout_s`` between steps: its
+    attention rank gives up, sends SHUTDOWN to rejoin and closes. Resumed, the
+    FFN rank's heartbeat thread writes first and fails on the closed
+    connection; the SHUTDOWN is still queued unread. The FFN rank must read it
+    and re-form the session, not take the peer for dead (which stops it)."""
+    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=20.0)
+    ffn = _Endpoint(sc, "ffn", 0, heartbeat_interval_s=0.05)
+    att = _Endpoint(sc, "attention", 0)
+    for ep in (ffn, att):
+        assert ep.started.wait(30), (ffn.error, att.error)
+    channel = ffn.conn._control._channels[0]
+    try:
+        att.conn.close(protocol.REJOIN + "attention rank 0 lost ffn rank 0")
+        deadline = time.monotonic() + 10
+        while not channel.broken:  # a heartbeat met the closed connection
+            assert time.monotonic() < deadline, "no heartbeat send failed"
+            time.sleep(0.01)
+        assert ffn.conn.recv_plan() is None
+        assert ffn.conn.rejoining == (
+            "attention rank 0 shut down (rejoin: attention rank 0 lost ffn rank 0)"
+        )
+    finally:
+        ffn.conn.close()
+
+
 @pytest.mark.parametrize("reason", ["closed", protocol.REJOIN + "lost ffn rank 0"])
 def test_an_attention_rank_that_stops_mid_step_ends_the_ffn_step_as_a_stop(reason):
     """1A1F inside a step: the attention rank sends its plan and shuts down
@@ -716,6 +799,51 @@ def test_an_attention_rank_that_stops_mid_step_ends_the_ffn_step_as_a_stop(reaso
         ffn.conn.close()
         att.conn.close()
     assert isinstance(e.value, AFDPeerStopped) == (reason == "closed"), e.value
+
+
+def test_a_peer_lagging_behind_a_dummy_step_is_waited_timeout_s_once_served(
+    monkeypatch,
+):
+    """2A1F: before this FFN process served a step, a WARMUP plan is a
+    start-up forward (it may compile), and a peer's plan lagging behind it
+    is waited ``warmup_timeout_s``; once it served one (in any session), a
+    WARMUP plan is an idle data-parallel rank's dummy forward and the lag
+    limit is ``timeout_s``: a peer that never sends (it is stuck elsewhere)
+    fails the step in seconds instead of holding every rank for minutes."""
+    from vllm_afd.connector import p2p_control
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+
+    monkeypatch.setattr(p2p_control, "_served_in_process", False)
+    sc = S.Scenario("p2p", S.free_port(), 2, 1, connect_timeout_s=20.0)
+    limits = {"timeout_s": 0.5, "warmup_timeout_s": 60.0}
+    ffn = _Endpoint(sc, "ffn", 0, **limits)
+    att = [_Endpoint(sc, "attention", r, **limits) for r in (0, 1)]
+    for ep in (ffn, *att):
+        assert ep.started.wait(30), [e.error for e in (ffn, *att)]
+    try:
+        att[0].conn.send_plan(StepPlan(0, ExecMode.WARMUP, (0,)))
+        late = threading.Timer(
+            1.0, att[1].conn.send_plan, (StepPlan(0, ExecMode.WARMUP, (0,)),)
+        )
+        late.start()  # 1.0 s > timeout_s: tolerated until a step is served
+        assert ffn.conn.recv_plan().step_id == 0
+        late.join()
+        assert not p2p_control._served_in_process
+        for ep in att:
+            ep.conn.send_plan(StepPlan(1, ExecMode.EAGER, (0,)))
+        assert ffn.conn.recv_plan().step_id == 1
+        assert p2p_control._served_in_process
+        att[0].conn.send_plan(StepPlan(2, ExecMode.WARMUP, (0,)))
+        t0 = time.monotonic()
+        with pytest.raises(AFDTimeoutError) as e:
+            ffn.conn.recv_plan()
+        assert time.monotonic() - t0 < 5.0, str(e.value)
+        assert str(e.value) == (
+            "timed out after 0.5s waiting for the plan of step 2 from attention rank 1"
+        )
+    finally:
+        for ep in (ffn, *att):
+            ep.conn.close()
 
 
 def test_an_ffn_rank_closed_after_a_failed_step_ends_every_wait_on_it_at_once():

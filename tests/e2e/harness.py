@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
-from vllm_afd.serving.ffn_status import READ_EVERY_S
 
 #: one line per model-family case (test_families.py), printed at the end
 FAMILY_RESULTS: list[str] = []
@@ -105,6 +104,14 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
+def _first_choice(reply: dict[str, Any]) -> dict[str, Any]:
+    """The first choice of a completion reply, or an error that quotes the
+    reply (a stream that failed mid-way sends an error event, no choices)."""
+    if "choices" not in reply:
+        raise AssertionError(f"the server answered with no choices: {reply}")
+    return reply["choices"][0]
+
+
 def _parse_choice(choice: dict[str, Any]) -> Completion:
     lp = choice["logprobs"]
     return Completion(
@@ -143,16 +150,24 @@ def complete(
         data=_body(model, prompt, max_tokens, stream),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:  # its message shows the body: why
+        body = e.read()
+        text = body.decode(errors="replace")
+        raise urllib.error.HTTPError(
+            e.url, e.code, f"{e.reason}: {text}", e.headers, io.BytesIO(body)
+        ) from None
+    with resp:
         if not stream:
-            return _parse_choice(json.loads(resp.read())["choices"][0])
+            return _parse_choice(_first_choice(json.loads(resp.read())))
         ids: list[int] = []
         tops: list[dict[int, float]] = []
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            part = _parse_choice(json.loads(line[5:])["choices"][0])
+            part = _parse_choice(_first_choice(json.loads(line[5:])))
             ids += part.token_ids
             tops += part.top_logprobs
         return Completion(tuple(ids), tuple(tops))
@@ -581,19 +596,6 @@ def wait_for(cond, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def wait_every_api_server(cond, timeout: float, what: str) -> float:
-    """:func:`wait_for` ``cond`` (a reply from one API server process), then
-    :data:`~vllm_afd.serving.ffn_status.READ_EVERY_S` more: with data
-    parallelism vLLM answers from one API server process per local rank, each
-    re-reading the ranks' link states at most that often, so a request sent
-    right after one process answered can still reach another that has not
-    seen the change (a 503 after /health said 200). The seconds ``cond``
-    took."""
-    took = wait_for(cond, timeout, what)
-    time.sleep(READ_EVERY_S)  # the documented bound on the other processes
-    return took
-
-
 class Supervisor:
     """``Deployment.supervise`` every 0.5 s on a thread, as ``launch`` runs it."""
 
@@ -660,12 +662,17 @@ def kill_ffn_mid_stream(
     timeout_s: float,
     max_tokens: int = 400,
     sig: signal.Signals = signal.SIGKILL,
+    heartbeat_s: float = 0.0,
 ) -> dict[str, float]:
     """Send ``sig`` to the FFN server after the first token of a long stream:
     the stream ends with an error and ``/health`` answers 503 naming ``ffn
-    rank 0``, within ``timeout_s`` of a SIGKILL (its sockets close), within
-    twice that of a SIGSTOP (the process keeps them open: the step's wait
-    runs out after ``timeout_s``). Seconds from the signal to each."""
+    rank 0``, within ``timeout_s`` of a SIGKILL (its sockets close). A
+    SIGSTOP keeps them open: a step's wait ends once the FFN rank's last
+    heartbeat, sent before the signal, is ``timeout_s`` old, also a wait begun
+    late in that silence (data parallelism: the ranks step together); its
+    heartbeat watch looks at the silence every ``heartbeat_s``: both within
+    ``timeout_s + heartbeat_s`` (docs/faults.md). Seconds from the signal to
+    each."""
     import pytest
 
     url = afd.api_url
@@ -679,7 +686,7 @@ def kill_ffn_mid_stream(
         pytest.fail(f"no streamed token before the kill: {outcome}")
     killed = time.monotonic()
     os.killpg(afd.ffn.proc.pid, sig)
-    bound = timeout_s if sig == signal.SIGKILL else 2 * timeout_s
+    bound = timeout_s if sig == signal.SIGKILL else timeout_s + heartbeat_s
     stream.join(bound + 30)
     assert not stream.is_alive(), "the in-flight stream hung"
     figures = {"stream error": outcome["ended"] - killed}
@@ -692,9 +699,6 @@ def kill_ffn_mid_stream(
 
 
 def health_down(url: str, why: str) -> bool:
-    """``/health`` answers 503 with ``why`` in its body. (With data
-    parallelism every API server process re-reads the link states at most
-    every 0.1 s, so just after a change two requests can get different
-    answers: wait for this, never read it once.)"""
+    """``/health`` answers 503 with ``why`` in its body."""
     code, text = http_get(f"{url}/health")
     return code == 503 and why in text

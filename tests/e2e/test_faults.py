@@ -54,7 +54,6 @@ from harness import (
     run_workload,
     served_model,
     start,
-    wait_every_api_server,
     wait_for,
 )
 
@@ -132,7 +131,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             )
             load.start()
             ffn_up = wait_for(afd.ffn.healthy, RECOVER_S, "the restarted FFN rank")
-            rejoined = wait_every_api_server(
+            rejoined = wait_for(
                 lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
             )
             after = len(seen)
@@ -198,12 +197,14 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             afd.ffn.start(log)
             wait_for(afd.ffn.healthy, RECOVER_S, "the right FFN rank")
         else:
-            hung = kill_ffn_mid_stream(afd, name, TIMEOUT_S, sig=signal.SIGSTOP)
+            hung = kill_ffn_mid_stream(
+                afd, name, TIMEOUT_S, sig=signal.SIGSTOP, heartbeat_s=HEARTBEAT_S
+            )
             figures["hung FFN: stream error"] = hung["stream error"]
             figures["hung FFN: /health 503"] = hung["/health 503"]
             stopped = time.monotonic()
             os.killpg(ffn_pid, signal.SIGCONT)
-        wait_every_api_server(
+        wait_for(
             lambda: http_get(f"{url}/health")[0] == 200, 30, "attention /health 200"
         )
         figures["recovered after " + ("SIGSTOP" if a == 1 else "SIGCONT")] = (

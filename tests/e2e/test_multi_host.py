@@ -42,7 +42,6 @@ from harness import (
     prompts,
     run_workload,
     served_model,
-    wait_every_api_server,
     wait_for,
 )
 from hosts import emulated_hosts, unavailable
@@ -129,9 +128,7 @@ def _kill_ffn_and_rejoin(
     down = wait_for(lambda: health_down(url, "ffn rank"), 30, "/health 503")
     node.wait_line(r"restarting it in", 30)
     node.wait_line(r"starting ffn\d? again", 60)
-    wait_every_api_server(
-        lambda: http_get(f"{url}/health")[0] == 200, RECOVER_S, "/health 200"
-    )
+    wait_for(lambda: http_get(f"{url}/health")[0] == 200, RECOVER_S, "/health 200")
     back = time.monotonic() - killed
     assert_same_outputs(run_workload(url, served_model(url), texts), plain, atol=ATOL)
     assert _survivors(nodes) == stay, "the attention server or FFN rank 0 was restarted"

@@ -29,7 +29,6 @@ from harness import (
     run_workload,
     served_model,
     start,
-    wait_every_api_server,
     wait_for,
     warm_up,
 )
@@ -68,7 +67,7 @@ def test_attention_survives_its_ffn_on_one_gpu_with_graphs(
             figures["FFN restarted, healthy"] = wait_for(
                 afd.ffn.healthy, 300, "the restarted FFN rank"
             )
-            figures["rejoin after FFN healthy"] = wait_every_api_server(
+            figures["rejoin after FFN healthy"] = wait_for(
                 lambda: http_get(f"{url}/health")[0] == 200, 60, "attention /health"
             )
             assert supervisor.error is None, supervisor.error

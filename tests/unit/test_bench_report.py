@@ -395,3 +395,48 @@ def test_provenance_records_versions_device_command_and_time():
     report = _report()
     report["provenance"] = p
     assert f"vllm-afd {p['vllm_afd']}" in rep.format_table(report)
+
+
+def test_a_streamed_request_records_the_gap_before_each_token() -> None:
+    """Token gaps as ``plan`` times decode steps by them: none for the first
+    chunk, k equal gaps for a chunk of k tokens; the request carries its
+    cache salt."""
+    import http.server
+    import threading
+    import time
+
+    from vllm_afd.cli.bench_workload import timed_request
+
+    bodies: list[dict] = []
+
+    class Stream(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            bodies.append(
+                json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for ids in ((1,), (2,), (3, 4)):
+                tokens = [f"token_id:{i}" for i in ids]
+                chunk = {"choices": [{"logprobs": {"tokens": tokens}}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.05)
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        res = timed_request(url, "m", Request(0, (5, 6), 4, salt="s1"), stream=True)
+    finally:
+        server.shutdown()
+    assert res.error is None and res.token_ids == (1, 2, 3, 4)
+    assert len(res.token_gaps_s) == 3  # tokens 2, 3 and 4
+    one, half, other_half = res.token_gaps_s
+    assert one >= 0.05 and half == other_half and half >= 0.025
+    assert bodies[0]["cache_salt"] == "s1"

@@ -47,6 +47,26 @@ def test_status_files_round_trip_by_rank_and_reset(server_pid):
     assert ffn_status.read(server_pid) == []
 
 
+def test_every_api_server_process_sees_a_change_on_its_next_request(server_pid):
+    """With data parallelism one API server process per local rank answers:
+    none may answer from a state older than the last change (a 200 from one
+    followed by a 503 from another for the same change). Changes come back
+    to back (within one tick of the file system's clock), then after the
+    directory settled."""
+    readers = [StatusReader(server_pid) for _ in range(3)]
+    for round_ in range(2):
+        for k in range(20):
+            up = k % 2 == 0
+            ffn_status.publish(server_pid, LinkState(0, 0, True) if up else _down(0))
+            for r in readers:
+                assert bool(r.down()) is not up, (round_, k)
+        # settled: each reader reads once more, then answers from memory
+        time.sleep(ffn_status.SETTLE_NS / 1e9)
+        for r in readers:
+            assert r.down()
+        assert all(r._settled for r in readers)
+
+
 def test_describe_names_the_ffn_rank_and_why():
     text = _down(1, "ffn rank 0 sent no heartbeat for 4.1s").describe()
     assert text.startswith("ffn rank 0 (serving attention rank 1) is unavailable")
@@ -95,7 +115,6 @@ def test_middleware_refuses_with_503_naming_the_rank_only_while_down(
     ffn_status.publish(server_pid, LinkState(0, 0, True))
     assert _call(middleware, method, path) == (200, "vllm")
     ffn_status.publish(server_pid, _down(0))
-    time.sleep(ffn_status.READ_EVERY_S)
     status, body = _call(middleware, method, path)
     if not refused:
         assert (status, body) == (200, "vllm")

@@ -41,6 +41,28 @@ def _step(exchange: AttentionExchange, tokens: int = 3) -> list[torch.Tensor]:
     return out
 
 
+def _closes(connector) -> list[bool]:
+    """Record ``connector``'s close calls in the returned list."""
+    closed: list[bool] = []
+    close = connector.close
+    connector.close = lambda *a: (closed.append(True), close(*a))
+    return closed
+
+
+def _served_then_closed(
+    link: FFNLink, exchange: AttentionExchange, loops, through=None
+) -> None:
+    """A step through ``link`` (its connector ``through``, if given) is
+    served exactly; then everything stops."""
+    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
+        assert torch.equal(got, _compute(layer, _Batch(hidden)))
+    assert exchange.failure is None
+    assert through is None or link.connector is through
+    link.close()
+    for each in loops:
+        each.stop()
+
+
 def _wait(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -181,22 +203,66 @@ def test_a_connector_that_fails_to_resume_is_closed_and_the_rendezvous_retried(
     loop, att = _served_pair()
     bad_loop, bad = _served_pair()
     good_loop, good = _served_pair()
-    closed = []
 
     def refuse() -> None:
         raise AFDConnectorError("the data plane failed before its first step")
 
     bad.resume = refuse
-    bad_close = bad.close
-    bad.close = lambda *a: (closed.append(True), bad_close(*a))
+    closed = _closes(bad)
     offers = iter([bad, good])
     link = FFNLink(att, lambda: next(offers), attention_rank=0, ffn_rank=0)
     exchange = AttentionExchange(None, link=link)
     link.lost("ffn rank 0 closed its connection")
     _wait(lambda: link.state.up)
     assert closed and link.connector is good and link.state.rejoins == 1
-    for layer, (hidden, got) in zip(LAYERS, _step(exchange), strict=True):
-        assert torch.equal(got, _compute(layer, _Batch(hidden)))
-    link.close()
-    for each in (loop, bad_loop, good_loop):
-        each.stop()
+    _served_then_closed(link, exchange, (loop, bad_loop, good_loop))
+
+
+def test_an_aligned_link_exchanges_again_only_in_a_forward_every_rank_voted_for(
+    monkeypatch,
+):
+    """With data parallelism a rejoined link reports up at once (the API
+    admits requests) but exchanges only from the first forward whose vote
+    (``decided``, from vLLM's per-forward DP all-reduce) says every rank is
+    back: all ranks go live in the same forward."""
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    loop, att = _served_pair()
+    new_loop, new_att = _served_pair()
+    link = FFNLink(att, lambda: new_att, attention_rank=0, ffn_rank=0, aligned=True)
+    exchange = AttentionExchange(None, link=link)
+    assert link.vote()
+    link.lost("ffn rank 0 closed its connection")
+    _wait(lambda: link.state.up)
+    assert link.vote() and link.waiting_for_ranks and link.connector is None
+    for vote in (None, False):  # no vote yet, then another rank not back
+        if vote is not None:
+            link.decided(vote)
+        results = _step(exchange)
+        assert all(torch.count_nonzero(got) == 0 for _, got in results)
+        assert "rejoined; the data-parallel ranks exchange again" in exchange.failure
+        assert link.waiting_for_ranks
+    link.decided(True)  # the next forward activates it
+    _served_then_closed(link, exchange, (loop, new_loop), through=new_att)
+    assert link.state.rejoins == 1
+
+
+def test_an_aligned_link_lost_again_before_its_forward_closes_the_staged_one(
+    monkeypatch,
+):
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    loop, att = _served_pair()
+    staged_loop, staged = _served_pair()
+    good_loop, good = _served_pair()
+    closed = _closes(staged)
+    offers = iter([staged, good])
+    link = FFNLink(
+        att, lambda: next(offers), attention_rank=0, ffn_rank=0, aligned=True
+    )
+    exchange = AttentionExchange(None, link=link)
+    link.lost("ffn rank 0 closed its connection")
+    _wait(lambda: link.state.up)
+    link.lost("ffn rank 0 sent no heartbeat for 4.0s")
+    _wait(lambda: link.state.up and link.state.rejoins == 2)
+    assert closed, "the staged connector was left open"
+    link.decided(True)
+    _served_then_closed(link, exchange, (loop, staged_loop, good_loop), through=good)

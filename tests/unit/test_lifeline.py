@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from vllm_afd import lifeline
 
 # A "server" that starts a child of its own, as vLLM starts its engine core;
@@ -22,7 +24,8 @@ print(child.pid, flush=True)
 time.sleep(60)
 """
 _CHILD = (
-    "from vllm_afd import lifeline; lifeline.install(); import time; time.sleep(60)"
+    "from vllm_afd import lifeline; lifeline.install(); {done}"
+    "import time; time.sleep(60)"
 )
 
 # A "launcher" that starts a role in a session of its own; the role installs
@@ -68,9 +71,13 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("AFD_")}
 
 
-def test_a_child_of_an_afd_server_exits_when_the_server_is_killed():
+@pytest.mark.parametrize("said_done", [False, True], ids=["working", "done"])
+def test_a_child_of_an_afd_server_exits_when_the_server_is_killed(said_done):
+    """After a grace (a normal shutdown finishes on its own), or at once when
+    the child had told its peers it stops (``lifeline.done``)."""
+    done = "lifeline.done(); " if said_done else ""
     server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER.format(child=_CHILD)],
+        [sys.executable, "-c", _SERVER.format(child=_CHILD.format(done=done))],
         stdout=subprocess.PIPE,
         text=True,
         env=_env(),
@@ -82,7 +89,10 @@ def test_a_child_of_an_afd_server_exits_when_the_server_is_killed():
         server.kill()
         server.wait()
         took = _gone_within([child], lifeline.GRACE_S + 3)
-        assert took >= lifeline.GRACE_S - 0.5  # a normal stop had its grace
+        if said_done:
+            assert took < lifeline.GRACE_S - 0.5, took
+        else:
+            assert took >= lifeline.GRACE_S - 0.5  # a normal stop had its grace
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)

@@ -58,7 +58,7 @@ ORIGINAL_VICTIM = _victim
 
 
 def _declared_patches() -> list[Patch]:
-    from vllm_afd.compat import engine_step
+    from vllm_afd.compat import dp_vote, engine_step, engine_stop
     from vllm_afd.compat.engine_config import CREATE_ENGINE_CONFIG
     from vllm_afd.config import parse_afd_config
     from vllm_afd.models import construction
@@ -90,6 +90,9 @@ def _declared_patches() -> list[Patch]:
         engine_step.STEP,
         engine_step.STEP_WITH_BATCH_QUEUE,
         engine_step.LOG_ERROR_DETAIL,
+        engine_stop.SHUTDOWN_TIMEOUT,
+        dp_vote.V1_DIST,
+        dp_vote.V2_DIST,
         ffn_availability.INIT_MIDDLEWARE,
         *family_patches.values(),
     ]

@@ -44,6 +44,8 @@ def test_curve_interpolates_extrapolates_and_clamps() -> None:
     assert c(2) == pytest.approx(2.0)
     assert c(5) == pytest.approx(5.0)  # from the last two points
     assert Curve(((1, 1.0), (2, 0.2)))(10) == 0.0  # never below zero
+    assert Curve(((1, 1.0), (2, 0.2)), signed=True)(3) == pytest.approx(-0.6)
+    assert Curve(((4, -1.0),), signed=True)(8) == -1.0  # a flat correction
     assert Curve.of([(2, 1.0), (1, 3.0), (2, 3.0)]).points == ((1, 3.0), (2, 2.0))
     with pytest.raises(ValueError, match="distinct sorted"):
         Curve(((2, 1.0), (1, 1.0)))
@@ -184,8 +186,31 @@ def test_cache_key_changes_with_what_was_measured(tmp_path) -> None:
     assert key == plan_cli.cache_key(args, "cpu", two)
     assert key != plan_cli.cache_key(args, "cpu", four)
     assert key != plan_cli.cache_key(args, "cpu", {**two, "vllm": "0.33.0"})
+    # a profile without 2A1F's S does not serve a budget that needs it
+    assert key != plan_cli.cache_key(args, "cpu", two, ["shared2"])
     args.batch_sizes = [1, 2]
     assert key != plan_cli.cache_key(args, "cpu", two)
+
+
+@pytest.mark.parametrize(
+    ("platform", "devices", "extra", "phases"),
+    [
+        ("cpu", 2, [], []),
+        ("cpu", 3, [], ["shared2"]),
+        ("cpu", 4, [], ["shared2", "shared3"]),
+        # S of at most MAX_SHARED_RANKS ranks is measured
+        ("cpu", 9, [], ["shared2", "shared3", "shared4"]),
+        ("cuda-shared", 2, [], ["ubatched"]),
+        ("cuda-shared", 3, ["--max-ubatches", "1"], ["shared2"]),
+        ("cuda-shared", 2, ["--max-ubatches", "1", "--check-topologies", "1A1F:2"],
+         ["ubatched"]),
+        ("cuda", 4, [], []),
+    ],
+)  # fmt: skip
+def test_the_profile_measures_the_phases_its_predictions_need(
+    platform, devices, extra, phases
+) -> None:
+    assert plan_cli.measured_phases(_args(*extra), platform, devices) == phases
 
 
 def test_placed_gives_each_rank_its_gpus() -> None:
@@ -209,15 +234,16 @@ def test_plan_and_check_tables_render() -> None:
 
 
 def test_sharing_is_fitted_on_2a1f_and_charged_per_extra_attention_rank() -> None:
+    """Measured on 2A1F only, S_2 is charged to every rank beyond the first."""
     afd = [Point(64, b, 0.010 + 0.001 * b, wait_s=0.003, ffn_s=0.002) for b in (1, 4)]
     plain = [Point(64, b, 0.008) for b in (1, 4)]
     base = build_profile(afd, plain, "cpu", 16, remote_layers=2,
                          kv_attention=None, kv_plain=None)  # fmt: skip
     additive = predict(base, Candidate(2, 1), 64, 4).step_s
-    shared = [Point(64, 1, 1.0), Point(64, 4, additive + 0.005)]
+    shared = {2: [Point(64, 1, 1.0), Point(64, 4, additive + 0.005)]}
     prof = build_profile(afd, plain, "cpu", 16, shared=shared, remote_layers=2,
                          kv_attention=None, kv_plain=None)  # fmt: skip
-    assert prof.sharing[64](4) == pytest.approx(0.005)
+    assert prof.sharing[2][64](4) == pytest.approx(0.005)
     assert predict(prof, Candidate(2, 1), 64, 4).step_s == pytest.approx(
         additive + 0.005
     )
@@ -227,10 +253,87 @@ def test_sharing_is_fitted_on_2a1f_and_charged_per_extra_attention_rank() -> Non
         base, Candidate(1, 1), 64, 4
     )
     assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
-    # a 2A1F faster than the sum charges nothing
-    fast = build_profile(afd, plain, "cpu", 16, shared=[Point(64, 4, 0.0)],
+    # a 2A1F faster than the sum: the ranks overlapped, S is negative, but a
+    # rank added never makes the step shorter than one rank's
+    overlap = build_profile(afd, plain, "cuda-shared", 16,
+                            shared={2: [Point(64, 4, additive - 0.002)]},
+                            remote_layers=2, kv_attention=None,
+                            kv_plain=None)  # fmt: skip
+    assert overlap.sharing[2][64](4) == pytest.approx(-0.002)
+    p = predict(overlap, Candidate(2, 1), 64, 4)
+    assert p.step_s == pytest.approx(additive - 0.002)
+    assert p.comm_s == pytest.approx(predict(base, Candidate(2, 1), 64, 4).comm_s)
+    fast = build_profile(afd, plain, "cpu", 16, shared={2: [Point(64, 4, 0.0)]},
                          remote_layers=2, kv_attention=None, kv_plain=None)  # fmt: skip
-    assert fast.sharing[64](4) == 0.0
+    t_a = base.attention[64](4)
+    assert fast.sharing[2][64](4) == pytest.approx(-t_a)
+    one_rank = predict(base, Candidate(1, 1), 64, 4).step_s
+    for x in (2, 3):
+        assert predict(fast, Candidate(x, 1), 64, 4).step_s == pytest.approx(one_rank)
+    assert Profile.from_json(json.loads(json.dumps(fast.to_json()))) == fast
+
+
+def test_sharing_is_fitted_per_rank_count_where_measured() -> None:
+    """On two cores a second attention rank may use the core the first left
+    idle and a third finds none: S_k is fitted on kA1F, each on top of the S
+    of fewer ranks, and a rank count beyond the measured ones takes the last
+    measured S."""
+    afd = [Point(64, b, 0.010 + 0.001 * b, wait_s=0.003, ffn_s=0.002) for b in (1, 4)]
+    plain = [Point(64, b, 0.008) for b in (1, 4)]
+    kw = {"remote_layers": 2, "kv_attention": None, "kv_plain": None}
+    base = build_profile(afd, plain, "cpu", 16, **kw)
+
+    def sum_of_parts(x: int) -> float:
+        return predict(base, Candidate(x, 1), 64, 4).step_s
+
+    shared = {
+        2: [Point(64, 4, sum_of_parts(2) + 0.001)],
+        3: [Point(64, 4, sum_of_parts(3) + 0.001 + 0.009)],
+    }
+    prof = build_profile(afd, plain, "cpu", 16, shared=shared, **kw)
+    assert prof.sharing[2][64](4) == pytest.approx(0.001)
+    assert prof.sharing[3][64](4) == pytest.approx(0.009)
+    for x, extra in ((2, 0.001), (3, 0.010), (4, 0.019), (5, 0.028)):
+        step = predict(prof, Candidate(x, 1), 64, 4).step_s
+        assert step == pytest.approx(sum_of_parts(x) + extra), x
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    # what the table prints: a column per measured rank count
+    text = plan_cli.format_profile(prof, [{"context": 64, "batch": 4}])
+    assert "S2 ms" in text and "S3 ms" in text
+
+
+def test_ubatching_is_measured_on_one_gpu_and_charged_per_extra_ubatch() -> None:
+    afd = [Point(64, b, 0.010 + 0.001 * b, wait_s=0.003, ffn_s=0.002) for b in (1, 8)]
+    plain = [Point(64, b, 0.008) for b in (1, 8)]
+    kw = {"remote_layers": 2, "kv_attention": None, "kv_plain": None}
+    no_u = build_profile(afd, plain, "cuda-shared", 16, **kw)
+    # without U no micro-batches are predicted on a shared device
+    assert {
+        r.candidate.ubatches for r in make_plan(no_u, 3, [64], [1, 8], None, 2).rows
+    } == {1}
+    with pytest.raises(ValueError, match="1A1F m=2: micro-batches on a shared"):
+        predict(no_u, Candidate(1, 1, 2), 64, 8)
+    # two micro-batches measured 1 ms faster at batch 8, as fast at batch 1
+    two = [Point(64, 1, 0.011), Point(64, 8, 0.017)]
+    prof = build_profile(afd, plain, "cuda-shared", 16, ubatched=two, **kw)
+    assert prof.ubatching[64](8) == pytest.approx(-0.001)
+    assert prof.ubatching[64](1) == pytest.approx(0.0)
+    one = predict(prof, Candidate(1, 1), 64, 8)
+    m2 = predict(prof, Candidate(1, 1, 2), 64, 8)
+    assert one.step_s == pytest.approx(0.018)
+    assert m2.step_s == pytest.approx(0.017)  # in sample
+    assert m2.attention_s == pytest.approx(one.attention_s - 0.001)
+    assert predict(prof, Candidate(1, 1, 3), 64, 8).step_s == pytest.approx(0.016)
+    # the overlap hides at most the smaller side: never below the larger one
+    big = build_profile(afd, plain, "cuda-shared", 16,
+                        ubatched=[Point(64, 1, 0.011), Point(64, 8, 0.001)],
+                        **kw)  # fmt: skip
+    m4 = predict(big, Candidate(1, 1, 4), 64, 8)
+    assert m4.step_s == pytest.approx(max(one.attention_s, one.comm_s + one.ffn_s))
+    assert {
+        r.candidate.ubatches for r in make_plan(prof, 3, [64], [1, 8], None, 2).rows
+    } == {1, 2}
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
 
 
 def _tp2(platform: str = "cuda", step_s: float = 2e-3) -> Profile:
@@ -360,21 +463,23 @@ def test_a_stalled_short_run_is_measured_again_then_refused(monkeypatch) -> None
     times = iter([9.0, 1.10, 0.79, 0.20, 0.64])
     asked: list[int] = []
 
-    def duration(url, served, reqs, what):
+    def timed(url, served, reqs, what):
         asked.append(reqs[0])  # the output length (see below)
-        return next(times)
+        # the token gaps of a run: 20 ms steps, one stalled for 2 s
+        return next(times), [0.02] * 10 + [2.0] + [0.021] * 10
 
     # no server here: a request is its output length
     monkeypatch.setattr(plan_profile, "_requests", lambda *a: [a[4]] * a[3])
-    monkeypatch.setattr(plan_profile, "_duration", duration)
+    monkeypatch.setattr(plan_profile, "_timed", timed)
     notes: list[str] = []
     calls: list[int] = []
     step = plan_profile.decode_step(
         "u", "m", 1, 32, 24, 0, "AFD c=32 b=1", between=lambda: calls.append(1),
         note=notes.append,
     )  # fmt: skip
-    assert step == pytest.approx((0.64 - 0.20) / 22)
-    assert asked == [2, 2, 24, 2, 24] and len(calls) == 6
+    assert step == pytest.approx(0.021)  # the median gap: the stall is left out
+    # the warm-up is as long as the long run (it meets the same shapes)
+    assert asked == [24, 2, 24, 2, 24] and len(calls) == 6
     assert notes == [
         "AFD c=32 b=1: 24 output tokens took no longer than 2 (0.790s vs "
         "1.100s); measuring again (2 of 3)"
@@ -383,3 +488,23 @@ def test_a_stalled_short_run_is_measured_again_then_refused(monkeypatch) -> None
     with pytest.raises(RuntimeError, match=r"no longer than 2 in 3 tries .*"
                        r"raise --decode-tokens$"):  # fmt: skip
         plan_profile.decode_step("u", "m", 1, 32, 24, 0, "x")
+
+
+def test_every_measured_request_has_a_salt_of_its_own(monkeypatch) -> None:
+    """A run must prefill all its prompts: a salt per request keeps vLLM's
+    prefix cache from serving blocks of an earlier run (the same seed gives
+    the same windows), which made a long run cheaper than its short one."""
+    from vllm_afd.cli import bench_workload, plan_profile
+
+    def build(url, served, ins, outs, seed):
+        return [bench_workload.Request(i, (seed, 1, 2), o) for i, o in enumerate(outs)]
+
+    monkeypatch.setattr(plan_profile, "build_requests", build)
+    runs = [plan_profile._requests("u", "m", 3, 4, 8, seed=0) for _ in range(2)]
+    salts = [r.salt for run in runs for r in run]
+    assert len(set(salts)) == 8 and all(salts)
+    body = json.loads(bench_workload._body("m", runs[0][0], stream=True))
+    assert body["cache_salt"] == runs[0][0].salt
+    assert "cache_salt" not in json.loads(
+        bench_workload._body("m", bench_workload.Request(0, (1,), 2), stream=True)
+    )

@@ -43,15 +43,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: an FFN stand-in that, on SIGUSR1, does what the FFN role does when its
-#: attention peers shut down for good: say so (AFD_STOP_NOTE), stop (exit 0)
+#: an FFN stand-in that does what the FFN role does when its attention peers
+#: shut down for good (SIGUSR1): say so (AFD_STOP_NOTE), stop (exit 0); or
+#: when one of them died (SIGUSR2): say which, stop (exit 1)
 ENDING = (
     "import os, signal\n"
     "from vllm_afd import envs\n"
     "def end(*_):\n"
     "    envs.note_stop('attention peers shut down')\n"
     "    os._exit(0)\n"
-    "signal.signal(signal.SIGUSR1, end)\n" + SERVER
+    "def died(*_):\n"
+    "    envs.note_stop('attention rank 0 closed its connection', peer_died=True)\n"
+    "    os._exit(1)\n"
+    "signal.signal(signal.SIGUSR1, end)\n"
+    "signal.signal(signal.SIGUSR2, died)\n" + SERVER
 )
 
 
@@ -144,37 +149,69 @@ def test_a_hung_ffn_rank_is_killed_and_restarted(capsys):
         deployment.stop(5)
 
 
-def test_a_dead_attention_process_stops_every_role(monkeypatch):
-    monkeypatch.setattr(launch, "STOP_NOTE_GRACE_S", 0.5)  # the FFN never says
-    deployment = _deployment()
+@pytest.mark.parametrize("ffn_says", [False, True], ids=["ffn silent", "peer died"])
+def test_a_dead_attention_process_stops_every_role(monkeypatch, ffn_says):
+    """The node's attention process died: every role stops, and the error
+    names that process, also when the FFN rank said first that its peer
+    died."""
+    monkeypatch.setattr(launch, "STOP_NOTE_GRACE_S", 0.5)
+    deployment = _deployment(ffn_program=ENDING)
     try:
-        attention = deployment.processes[1]
+        ffn, attention = deployment.processes
         os.killpg(attention.proc.pid, signal.SIGKILL)
         attention.proc.wait()
-        with pytest.raises(LaunchError, match="an attention rank cannot rejoin"):
+        if ffn_says:
+            os.kill(ffn.proc.pid, signal.SIGUSR2)
+            ffn.proc.wait(10)
+        with pytest.raises(LaunchError, match="an attention rank cannot rejoin") as e:
             deployment.supervise()
+        assert str(e.value).startswith("the attention process exited with code -9")
         assert deployment.processes[0].exit_code() is not None
     finally:
         deployment.stop(5)
 
 
-def test_an_ffn_rank_that_stopped_for_good_stops_the_node_unrestarted(capsys):
+@pytest.mark.parametrize(
+    ("sig", "code", "error", "message"),
+    [
+        (
+            signal.SIGUSR1,
+            0,
+            DeploymentEnded,
+            "ffn stopped by itself (attention peers shut down: the deployment "
+            "was stopped); every role of this node stops",
+        ),
+        (
+            signal.SIGUSR2,
+            1,
+            LaunchError,
+            "ffn stopped by itself: attention rank 0 closed its connection; an "
+            "attention rank cannot rejoin a running deployment, so every role "
+            "of this node stops",
+        ),
+    ],
+    ids=["stopped", "peer died"],
+)
+def test_an_ffn_rank_that_stopped_by_itself_stops_the_node_unrestarted(
+    capsys, sig, code, error, message
+):
     """An FFN rank whose attention peers shut down for good (the deployment
     was stopped, e.g. from its API server's node) is not restarted: the
-    launcher stops every role of its node and ends without an error."""
+    launcher stops every role of its node and ends without an error
+    (:class:`DeploymentEnded`). One whose attention peer died (on another
+    node: this node's attention process still runs) is not restarted either:
+    no attention rank can rejoin, so the node stops with an error."""
     deployment = _deployment(ffn_program=ENDING)
     ffn = deployment.processes[0]
     note = ffn.stop_note
     try:
         deployment.supervise()  # running: nothing to do
-        os.kill(ffn.proc.pid, signal.SIGUSR1)
-        assert ffn.proc.wait(10) == 0
-        with pytest.raises(DeploymentEnded) as ended:
+        os.kill(ffn.proc.pid, sig)
+        assert ffn.proc.wait(10) == code
+        with pytest.raises(error) as ended:
             deployment.supervise()
-        assert str(ended.value) == (
-            "ffn stopped by itself (attention peers shut down: the deployment "
-            "was stopped); every role of this node stops"
-        )
+        assert type(ended.value) is error
+        assert str(ended.value) == message
         assert all(p.exit_code() is not None for p in deployment.processes)
         assert "restarting" not in capsys.readouterr().err
         assert note is not None and not os.path.exists(note)

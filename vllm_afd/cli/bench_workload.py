@@ -51,6 +51,10 @@ class RequestResult:
     ttft_s: float | None = None
     decode_s: float | None = None  # first token to last token
     error: str | None = None
+    #: streamed only: per token after the first chunk, seconds since the
+    #: token before it (a chunk of k tokens arriving dt after the one before
+    #: gives k gaps of dt/k)
+    token_gaps_s: tuple[float, ...] = ()
 
     @classmethod
     def failed(
@@ -152,11 +156,14 @@ def _jsonl_lengths(path: Path, key: str) -> tuple[int, ...]:
 # ----------------------------------------------------------------- prompts
 @dataclass(frozen=True)
 class Request:
-    """One request of the workload: prompt token ids and output length."""
+    """One request of the workload: prompt token ids and output length;
+    ``salt``, when set, is sent as vLLM's ``cache_salt``: the request shares
+    no prefix-cache blocks with requests of another salt."""
 
     index: int
     prompt: tuple[int, ...]
     output_len: int
+    salt: str | None = None
 
 
 def model_info(url: str) -> tuple[str, int | None]:
@@ -198,6 +205,8 @@ def _body(model: str, req: Request, stream: bool) -> bytes:
         "ignore_eos": True,
         "stream": stream,
     }
+    if req.salt is not None:
+        body["cache_salt"] = req.salt
     if stream:
         body.update(logprobs=1, return_tokens_as_token_ids=True)
     return json.dumps(body).encode()
@@ -219,6 +228,8 @@ def timed_request(
     )
     start = time.perf_counter()
     first: float | None = None
+    last = start
+    gaps: list[float] = []
     ids: list[int] = []
     n_out = 0
     try:
@@ -231,8 +242,14 @@ def timed_request(
                     continue
                 for choice in json.loads(line[5:])["choices"]:
                     new = _token_ids(choice)
-                    if new and first is None:
-                        first = time.perf_counter()
+                    if not new:
+                        continue
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps += [(now - last) / len(new)] * len(new)
+                    last = now
                     ids += new
             n_out = n_out or len(ids)
     except (OSError, ValueError, KeyError) as exc:
@@ -246,6 +263,7 @@ def timed_request(
         latency_s=end - start,
         ttft_s=None if first is None else first - start,
         decode_s=None if first is None else end - first,
+        token_gaps_s=tuple(gaps),
     )
 
 

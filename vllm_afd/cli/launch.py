@@ -109,6 +109,18 @@ class RoleProcess:
     def stopped_for_good(self) -> str | None:
         """FFN: why the role stopped its server because its attention peers
         shut down for good (``AFD_STOP_NOTE``); None if it did not."""
+        note = self._stop_note()
+        return None if note is None or note.startswith(envs.PEER_DIED) else note
+
+    def peer_died(self) -> str | None:
+        """FFN: which attention peer died, and how, when the role stopped its
+        server for that (``AFD_STOP_NOTE``); None if it did not."""
+        note = self._stop_note()
+        if note is None or not note.startswith(envs.PEER_DIED):
+            return None
+        return note[len(envs.PEER_DIED) :]
+
+    def _stop_note(self) -> str | None:
         if self.stop_note is None:
             return None
         try:
@@ -673,24 +685,25 @@ class Deployment:
                 stopped, e.g. from the node of its API server), or says so
                 within :data:`STOP_NOTE_GRACE_S` of this node's attention
                 process exiting; every role is stopped first.
-            LaunchError: an attention process exited (an attention rank
+            LaunchError: an attention process exited, or an FFN rank stopped
+                by itself because an attention peer died (an attention rank
                 cannot rejoin: the deployment stops), an FFN rank exited with
                 restarts off or used up; every role is stopped first.
         """
         now = time.monotonic() if now is None else now
-        self._end_if_stopped()
         for proc in self.processes:
             code = proc.exit_code()
             if not proc.is_ffn and code is not None:
                 # A node's attention server may exit at about the time its FFN
                 # rank says the deployment was stopped; that is no failure.
-                self._end_if_stopped(within=STOP_NOTE_GRACE_S)
+                self._end_if_stopped(within=STOP_NOTE_GRACE_S, deaths=False)
                 self.stop()
                 raise LaunchError(
                     f"the {proc.name} process exited with code {code}; an "
                     "attention rank cannot rejoin a running deployment, so every "
                     "role stops"
                 )
+        self._end_if_stopped()
         for proc in self.processes:
             if not proc.is_ffn:
                 continue
@@ -705,6 +718,7 @@ class Deployment:
                 code = self._probe(proc, now)
             if code is None:
                 continue
+            self._end_if_stopped()  # its word may have come as it exited
             if now - proc.started_at >= STABLE_S:
                 proc.restarts = 0
             if proc.restarts >= self.spec.ffn_restarts:
@@ -726,10 +740,12 @@ class Deployment:
                 f"{self.spec.ffn_restarts} in a row)"
             )
 
-    def _end_if_stopped(self, within: float = 0.0) -> None:
+    def _end_if_stopped(self, within: float = 0.0, *, deaths: bool = True) -> None:
         """Raise :class:`DeploymentEnded` (every role stopped first) if an
-        FFN rank of this node says it stopped for good; wait up to ``within``
-        s for one to say so, unless every FFN rank of the node has exited."""
+        FFN rank of this node says it stopped for good, :class:`LaunchError`
+        if one says an attention peer died (unless not ``deaths``: the caller
+        has a better word for it); wait up to ``within`` s for one to say
+        either, unless every FFN rank of the node has exited."""
         deadline = time.monotonic() + within
         while True:
             for proc in self.ffns:
@@ -738,6 +754,15 @@ class Deployment:
                     raise DeploymentEnded(
                         f"{proc.name} stopped by itself ({why}: the deployment "
                         "was stopped); every role of this node stops"
+                    )
+                if (why := proc.peer_died()) is not None:
+                    if not deaths:
+                        return
+                    self.stop()
+                    raise LaunchError(
+                        f"{proc.name} stopped by itself: {why}; an attention rank "
+                        "cannot rejoin a running deployment, so every role of "
+                        "this node stops"
                     )
             done = all(p.exit_code() is not None for p in self.ffns)
             if done or time.monotonic() >= deadline:

@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from vllm_afd.cli.launch import (
     tensor_parallel_size,
 )
 from vllm_afd.cli.plan_model import (
+    MAX_SHARED_RANKS,
     SHARED_PLATFORMS,
     Candidate,
     Plan,
@@ -54,7 +56,7 @@ from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import Topology
 
 #: bumped when what the cache holds changes meaning
-CACHE_VERSION = 1
+CACHE_VERSION = 3
 #: vLLM's own routing simulation (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``):
 #: every router picks top-k experts uniformly at random, so the experts are
 #: loaded evenly whatever the weights and prompts
@@ -203,9 +205,13 @@ def _placed(spec: DeploymentSpec, cand: Candidate, gpus: int) -> DeploymentSpec:
     )
 
 
-def cache_key(args: argparse.Namespace, platform: str, where: dict[str, Any]) -> str:
+def cache_key(
+    args: argparse.Namespace, platform: str, where: dict[str, Any],
+    phases: Sequence[str] = (),
+) -> str:  # fmt: skip
     """What the measurement depends on, hashed (``where``: the run's
-    ``bench_report.provenance``, for the device and the versions)."""
+    ``bench_report.provenance``, for the device and the versions; ``phases``:
+    :func:`measured_phases`)."""
     config = Path(args.model) / "config.json"
     facts = {
         "v": CACHE_VERSION,
@@ -221,9 +227,32 @@ def cache_key(args: argparse.Namespace, platform: str, where: dict[str, Any]) ->
         "tp_baselines": args.tp_baselines,
         "routing": routing_strategy(args),
         "platform": platform,
+        "phases": list(phases),
         **{k: where.get(k) for k in ("device", "vllm", "vllm_afd", "torch")},
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sharing_ranks(platform: str, devices: int) -> list[int]:
+    """The attention-rank counts k whose kA1F the profile measures for S_k:
+    on one device, 2 to the most the budget holds beside one FFN rank, at
+    most ``MAX_SHARED_RANKS``; none elsewhere."""
+    if platform not in SHARED_PLATFORMS:
+        return []
+    return list(range(2, min(devices - 1, MAX_SHARED_RANKS) + 1))
+
+
+def measured_phases(args: argparse.Namespace, platform: str, devices: int) -> list[str]:
+    """The profile's optional phases this run needs: ``sharedK`` (kA1F, for
+    S_k: one device, for each k from 2 to the most attention ranks the budget
+    holds beside one FFN rank, at most ``MAX_SHARED_RANKS``), ``ubatched``
+    (1A1F with 2 micro-batches, for U: one GPU, and micro-batches to predict
+    or check)."""
+    phases = [f"shared{k}" for k in sharing_ranks(platform, devices)]
+    checked = max((c.ubatches for c in args.check_topologies or []), default=1)
+    if platform == "cuda-shared" and max(args.max_ubatches, checked) >= 2:
+        phases.append("ubatched")
+    return phases
 
 
 def routing_strategy(args: argparse.Namespace) -> str:
@@ -256,24 +285,32 @@ def format_profile(prof: Profile, afd: list[dict]) -> str:
         "per layer = / layers)",
         f"{'context':>8} {'batch':>6} {'T_a ms':>8} {'T_f ms':>8} {'T_c ms':>8} "
         f"{'T_f/layer us':>13} {'plain ms':>9}"
-        + (f" {'S ms':>7}" if prof.sharing else ""),
+        + "".join(f" {f'S{k} ms':>7}" for k in sorted(prof.sharing))
+        + (f" {'U ms':>7}" if prof.ubatching else ""),
     ]
     for p in afd:
         c, b = p["context"], p["batch"]
         t_a = prof.attention[c](b)
         t_f, t_c = prof.ffn(b), prof.comm(b)
         plain = prof.colocated.get(c)
-        share = prof.sharing.get(c)
+        shares = [prof.sharing[k].get(c) for k in sorted(prof.sharing)]
+        ub = prof.ubatching.get(c)
         lines.append(
             f"{c:>8} {b:>6} {t_a * 1e3:>8.2f} {t_f * 1e3:>8.2f} {t_c * 1e3:>8.2f} "
             f"{t_f / layers * 1e6:>13.1f} "
             f"{plain(b) * 1e3 if plain else float('nan'):>9.2f}"
-            + (f" {share(b) * 1e3:>7.2f}" if share else "")
+            + "".join(f" {s(b) * 1e3 if s else float('nan'):>7.2f}" for s in shares)
+            + (f" {ub(b) * 1e3:>7.2f}" if ub else "")
         )
     if prof.sharing:
         lines.append(
-            "S: what each attention rank beyond the first costs a step on these "
-            "shared cores beyond its work (measured on 2A1F)"
+            "Sk: what attention rank k costs a step on this shared device "
+            "beyond its work (measured on kA1F; negative: the ranks overlap)"
+        )
+    if prof.ubatching:
+        lines.append(
+            "U: what each micro-batch beyond the first changes the step by "
+            "(measured on 1A1F with 2; negative: the overlap gains)"
         )
     kv = (prof.kv_tokens_attention, prof.kv_tokens_colocated)
     lines.append(f"KV capacity (tokens): attention rank {kv[0]}, colocated {kv[1]}")
@@ -546,7 +583,8 @@ def run_plan(args: argparse.Namespace) -> int:
     elif routing:
         _note(f"{ROUTING_ENV}={routing} is set: every server routes by it")
     where = bench_report.provenance(["vllm-afd", *getattr(args, "argv", [])])
-    key = cache_key(args, platform, where)
+    phases = measured_phases(args, platform, devices)
+    key = cache_key(args, platform, where, phases)
     path = _cache_path(args, key)
     sink = open(args.server_log, "w") if args.server_log else None  # noqa: SIM115
     log = LogWatch(sink, owned=True)
@@ -563,7 +601,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 spec, args.context_lens, args.batch_sizes, args.decode_tokens,
                 platform, seed=args.seed, repeats=args.repeats,
                 tp_baselines=args.tp_baselines, log=log, note=_note,
-                measure_sharing=platform in SHARED_PLATFORMS and devices >= 3,
+                sharing_ranks=sharing_ranks(platform, devices),
+                measure_ubatching="ubatched" in phases,
             )  # fmt: skip
             points = {k: _points_json(v) for k, v in measured.items()}
             path.parent.mkdir(parents=True, exist_ok=True)

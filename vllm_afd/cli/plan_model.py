@@ -20,14 +20,25 @@ FFN rank k serves n_k attention ranks (blocks of ceil(x/y) or floor(x/y),
     separate devices, m >= 2:       u = b/m, per micro-batch a = T_a(u),
                                     f = T_c(u) + T_f(n*u)
                                     step = m*max(a, f) + min(a, f)
-    one device (CPU, one GPU):      the roles share the device, so nothing
-                                    overlaps and concurrent ranks add up:
-                                    step = m*(x*T_a(u) + T_c(u) + y*T_f(n*u))
-                                           + (x-1)*S(b)
-    S(b, c): what each attention rank beyond the first costs on shared cores
-    beyond its own work (scheduling, vLLM's data-parallel step sync, the FFN
-    waiting for the later rank each layer), measured on 2A1F as its step less
-    the sum without S; it is part of the communication figure.
+    one device (CPU, one GPU):      the roles share the device, so the
+                                    parts add up, corrected by what running
+                                    them together was measured to cost:
+                                    step = x*T_a(b) + T_c(b) + y*T_f(n*b)
+                                           + S_2(b) + ... + S_x(b) + (m-1)*U(b)
+    S_k(b, c): what the k-th attention rank costs a step beyond its own work,
+    measured on kA1F as its step less the sum without S_k, for every k the
+    device budget allows up to MAX_SHARED_RANKS (beyond: the last measured
+    one). It grows with k where the ranks outnumber the cores: on two cores
+    a second attention rank uses the core the first left idle while it waited
+    on the FFN, a third finds none. On shared cores it is positive
+    (scheduling, vLLM's data-parallel step sync, the FFN waiting for the
+    later rank each layer: part of the communication figure); on one GPU the
+    ranks' kernels overlap and it can be negative (part of the attention
+    figure), never below -T_a(b) (a rank added never shortens the step).
+    U(b, c): what each micro-batch beyond the first changes, measured on one
+    GPU as the 1A1F step with 2 micro-batches less that with one (negative:
+    the overlap gains more than the re-reads cost). Without it (not measured:
+    CPU, no micro-batches) no m >= 2 is predicted on a shared device.
 
 ``T_f(n*u)`` at small ``u`` keeps its intercept (the expert weights read
 once per call), so the model charges micro-batches their re-reads. Tokens
@@ -58,6 +69,9 @@ from vllm_afd.topology import Topology
 
 #: platforms where every role shares one device: the model adds the parts
 SHARED_PLATFORMS = ("cpu", "cuda-shared")
+#: the most attention ranks a shared device's profile measures S_k on (one
+#: deployment each); larger counts take S of the largest measured
+MAX_SHARED_RANKS = 4
 
 
 class Bound(enum.Enum):
@@ -77,6 +91,8 @@ class Curve:
     """
 
     points: tuple[tuple[float, float], ...]
+    #: may go below zero (a correction, not a duration)
+    signed: bool = False
 
     def __post_init__(self) -> None:
         sizes = [p[0] for p in self.points]
@@ -87,19 +103,21 @@ class Curve:
         pts = self.points
         if len(pts) == 1:
             x0, y0 = pts[0]
-            return max(0.0, y0 * size / x0) if x0 else max(0.0, y0)
-        i = bisect.bisect_left([p[0] for p in pts], size)
-        i = min(max(i, 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        return max(0.0, y0 + (y1 - y0) * (size - x0) / (x1 - x0))
+            y = y0 * size / x0 if x0 and not self.signed else y0
+        else:
+            i = bisect.bisect_left([p[0] for p in pts], size)
+            i = min(max(i, 1), len(pts) - 1)
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+            y = y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        return y if self.signed else max(0.0, y)
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[float, float]]) -> Curve:
+    def of(cls, pairs: Iterable[tuple[float, float]], signed: bool = False) -> Curve:
         """A curve of ``pairs``; repeated sizes average."""
         by: dict[float, list[float]] = {}
         for x, y in pairs:
             by.setdefault(float(x), []).append(float(y))
-        return cls(tuple((x, sum(v) / len(v)) for x, v in sorted(by.items())))
+        return cls(tuple((x, sum(v) / len(v)) for x, v in sorted(by.items())), signed)
 
 
 @dataclass(frozen=True)
@@ -118,9 +136,12 @@ class Profile:
         comm: ``T_c(tokens)``.
         kv_tokens_attention: KV capacity (tokens) of one attention rank, if known.
         kv_tokens_colocated: of a plain vLLM rank, if known.
-        sharing: shared cores only: ``{context: S(batch)}``, what each
-            attention rank beyond the first costs a step on top of its work
-            (measured on 2A1F; empty: nothing).
+        sharing: one device only: ``{k: {context: S_k(batch)}}`` (signed),
+            what the k-th attention rank costs a step on top of its work
+            (measured on kA1F, k >= 2; empty: nothing).
+        ubatching: one GPU only: ``{context: U(batch)}`` (signed), what each
+            micro-batch beyond the first changes the step by (measured on
+            1A1F with 2 micro-batches; empty: not measured, no m >= 2).
         colocated_tp: ``{N: {context: T_pN(batch)}}``, plain vLLM with
             tensor parallelism N (empty: not measured).
         kv_tokens_colocated_tp: ``{N: KV capacity}`` of those servers.
@@ -135,7 +156,8 @@ class Profile:
     comm: Curve
     kv_tokens_attention: int | None = None
     kv_tokens_colocated: int | None = None
-    sharing: dict[int, Curve] = field(default_factory=dict)
+    sharing: dict[int, dict[int, Curve]] = field(default_factory=dict)
+    ubatching: dict[int, Curve] = field(default_factory=dict)
     colocated_tp: dict[int, dict[int, Curve]] = field(default_factory=dict)
     kv_tokens_colocated_tp: dict[int, int | None] = field(default_factory=dict)
 
@@ -159,7 +181,11 @@ class Profile:
         d["attention"] = {str(k): c(v) for k, v in self.attention.items()}
         d["colocated"] = {str(k): c(v) for k, v in self.colocated.items()}
         d["ffn"], d["comm"] = c(self.ffn), c(self.comm)
-        d["sharing"] = {str(k): c(v) for k, v in self.sharing.items()}
+        d["sharing"] = {
+            str(k): {str(ctx): c(v) for ctx, v in curves.items()}
+            for k, curves in self.sharing.items()
+        }
+        d["ubatching"] = {str(k): c(v) for k, v in self.ubatching.items()}
         d["colocated_tp"] = {
             str(n): {str(k): c(v) for k, v in curves.items()}
             for n, curves in self.colocated_tp.items()
@@ -171,8 +197,8 @@ class Profile:
 
     @classmethod
     def from_json(cls, d: dict) -> Profile:
-        def c(points: list) -> Curve:
-            return Curve(tuple((float(x), float(y)) for x, y in points))
+        def c(points: list, signed: bool = False) -> Curve:
+            return Curve(tuple((float(x), float(y)) for x, y in points), signed)
 
         return cls(
             platform=d["platform"],
@@ -184,7 +210,11 @@ class Profile:
             comm=c(d["comm"]),
             kv_tokens_attention=d.get("kv_tokens_attention"),
             kv_tokens_colocated=d.get("kv_tokens_colocated"),
-            sharing={int(k): c(v) for k, v in d.get("sharing", {}).items()},
+            sharing={
+                int(k): {int(ctx): c(v, True) for ctx, v in curves.items()}
+                for k, curves in d.get("sharing", {}).items()
+            },
+            ubatching={int(k): c(v, True) for k, v in d.get("ubatching", {}).items()},
             colocated_tp={
                 int(n): {int(k): c(v) for k, v in curves.items()}
                 for n, curves in d.get("colocated_tp", {}).items()
@@ -254,14 +284,28 @@ def predict(profile: Profile, cand: Candidate, context: int, batch: int) -> Pred
     """The step of ``cand`` at ``batch`` sequences per attention rank."""
     x, y, m = cand.attention_ranks, cand.ffn_ranks, cand.ubatches
     n, u = cand.widest_block, batch / m
-    t_a = _nearest(profile.attention, context)(u)
-    t_c, t_f = profile.comm(u), profile.ffn(n * u)
     if profile.shared_cores:
-        share = _nearest(profile.sharing, context)(batch) if profile.sharing else 0.0
-        a, c, f = m * x * t_a, m * t_c + (x - 1) * share, m * y * t_f
+        if m > 1 and not profile.ubatching:
+            raise ValueError(
+                f"{cand.name}: micro-batches on a shared device need the "
+                "profile's measured U (ubatching); none was measured"
+            )
+        t_a = _nearest(profile.attention, context)(batch)
+        t_c, t_f = profile.comm(batch), profile.ffn(n * batch)
+        share = sharing_cost(profile, x, context, batch, t_a)
+        a = x * t_a + min(share, 0.0)
+        c = t_c + max(share, 0.0)
+        f = y * t_f
         step = a + c + f
+        if m > 1:
+            # measured at m = 2; the overlap hides at most the smaller side
+            ub = (m - 1) * _correction(profile.ubatching, context, batch, None)
+            step = max(step + ub, a, c + f)
+            a, c = a + min(ub, 0.0), c + max(ub, 0.0)
         per_device = x * batch / step
     else:
+        t_a = _nearest(profile.attention, context)(u)
+        t_c, t_f = profile.comm(u), profile.ffn(n * u)
         a, c, f = m * t_a, m * t_c, m * t_f
         if m == 1:
             step = t_a + t_c + t_f
@@ -273,6 +317,32 @@ def predict(profile: Profile, cand: Candidate, context: int, batch: int) -> Pred
         cand.name, context, batch, step, a, c, f, per_device,
         bound=max(parts, key=parts.__getitem__), candidate=cand,
     )  # fmt: skip
+
+
+def sharing_cost(
+    profile: Profile, ranks: int, context: int, batch: int, t_a: float
+) -> float:
+    """``S_2 + ... + S_ranks`` at ``batch`` (each not below ``-t_a``): what
+    attention ranks 2..``ranks`` cost a shared device beyond their work; a
+    rank count beyond the measured ones takes the largest measured."""
+    measured = sorted(profile.sharing)
+    total = 0.0
+    for k in range(2, ranks + 1):
+        known = [r for r in measured if r <= k]
+        if known:
+            total += _correction(profile.sharing[known[-1]], context, batch, t_a)
+    return total
+
+
+def _correction(
+    curves: dict[int, Curve], context: int, batch: int, floor_s: float | None
+) -> float:
+    """A measured signed correction at ``batch`` (0 if not measured), not
+    below ``-floor_s`` when given."""
+    if not curves:
+        return 0.0
+    value = _nearest(curves, context)(batch)
+    return value if floor_s is None else max(value, -floor_s)
 
 
 def predict_colocated(
@@ -400,6 +470,8 @@ def make_plan(
     """Predict every deployment that fits ``devices``; recommend the one with
     the most tokens/s per device, averaged over ``contexts``."""
     rows, unfit, score = [], [], {}
+    if profile.shared_cores and not profile.ubatching:
+        max_ubatches = 1  # U not measured: no micro-batches to predict
     for cand in candidates(devices, max_ubatches):
         for c in contexts:
             choice = best_batch(profile, cand, c, batches, slo_s)

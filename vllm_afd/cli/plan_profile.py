@@ -5,18 +5,21 @@ running the user's model with vLLM's own kernels: a 1A1F AFD deployment and
 plain vLLM, one after the other, each answering ``b`` concurrent requests of
 ``c`` prompt tokens for every (context, batch) point. Per point the workload
 runs once untimed (warm-up), then twice, 2 output tokens, then
-``decode_tokens``: the difference of the
-two runs' wall times over the extra steps is the decode ``step`` (prefill
-cancels out), and on the AFD side so are the AFD counters' differences::
+``decode_tokens``. The decode ``step`` is the median gap between two
+streamed tokens of a request in the long run; on the AFD side the AFD
+counters' differences between the two runs are decode steps alone (the same
+prefill in both cancels out)::
 
-    T_f = d(afd_ffn_compute_seconds, FFN) / d(afd_steps)
-    W   = d(afd_connector_wait_seconds, attention) / d(afd_steps)
+    T_f = min(d(afd_ffn_compute_seconds, FFN) / d(afd_steps), step)
+    W   = min(d(afd_connector_wait_seconds, attention) / d(afd_steps), step)
     T_c = max(W - T_f, 0)
     T_a = max(step - max(W, T_f), 0)
 
 so T_a + T_c + T_f is the measured 1A1F step whenever W >= T_f. (W < T_f
 happens on shared cores: the FFN output can be there before the attention
-asks for it.)
+asks for it.) Neither part can exceed the step: a counter difference that
+does holds a one-off stall of one run (on one GPU: a kernel compiled for a
+prefill shape the long run met first).
 
 Plain vLLM's ``step`` at the point is the colocated T_p; with
 ``tp_baselines`` plain vLLM also runs with ``--tensor-parallel-size N`` for
@@ -32,6 +35,7 @@ import os
 import re
 import statistics
 import sys
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -44,7 +48,7 @@ from vllm_afd.cli.bench_workload import (
     run_requests,
 )
 from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
-from vllm_afd.cli.plan_model import Candidate, Curve, Profile, predict
+from vllm_afd.cli.plan_model import Candidate, Curve, Profile, predict, sharing_cost
 
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -85,11 +89,19 @@ class Point:
 def _requests(
     url: str, served: str, context: int, batch: int, out: int, seed: int
 ) -> list[Request]:
-    return build_requests(url, served, [context] * batch, [out] * batch, seed)
+    """``batch`` requests of ``context`` prompt tokens, each with a salt of its
+    own: no request finds blocks of an earlier one in the prefix cache, so
+    every run prefills all its prompts (else a run whose prompts an earlier
+    run had cached would be cheaper, and a difference of two runs wrong)."""
+    reqs = build_requests(url, served, [context] * batch, [out] * batch, seed)
+    return [dataclasses.replace(r, salt=uuid.uuid4().hex) for r in reqs]
 
 
-def _duration(url: str, served: str, reqs: list[Request], what: str) -> float:
-    """Wall seconds of ``reqs``, all in flight at once (streamed)."""
+def _timed(
+    url: str, served: str, reqs: list[Request], what: str
+) -> tuple[float, list[float]]:
+    """Wall seconds of ``reqs``, all in flight at once (streamed), and every
+    request's token gaps (``RequestResult.token_gaps_s``) pooled."""
     run = run_requests(
         what, url, served, reqs, concurrency=len(reqs), rate=None, seed=0,
         progress=False,
@@ -97,7 +109,7 @@ def _duration(url: str, served: str, reqs: list[Request], what: str) -> float:
     failed = [r.error for r in run.requests if r.error]
     if failed:
         raise RuntimeError(f"{what}: {len(failed)} request(s) failed: {failed[0]}")
-    return run.duration_s
+    return run.duration_s, [g for r in run.requests for g in r.token_gaps_s]
 
 
 #: output tokens of the short run of a point (prefill and one decode step)
@@ -114,31 +126,36 @@ def decode_step(
     note: Callable[[str], None] | None = None,
 ) -> float:  # fmt: skip
     """Seconds per decode step of ``n`` concurrent sequences of ``context``
-    tokens: the wall time of a run of ``decode_tokens`` output tokens less
-    that of a run of :data:`SHORT`, over the extra steps (prefill, the same
-    in both, cancels out). ``between`` runs before, between and after the
-    two runs (counter reads: the last three calls belong to the returned
-    figure). A pair whose long run was not slower (a stall of the machine
-    during the short one) is measured again, up to :data:`ATTEMPTS` times,
-    each retry told to ``note``. An untimed run of :data:`SHORT` output tokens
-    goes first: the first batch of a shape can pay for kernel compilation or
-    graph capture (on one GPU, the first 2-token run of batch 8 took 0.95 s, the
-    32-token run after it 0.14 s)."""
+    tokens: the median gap between two tokens of a request streamed in a run
+    of ``decode_tokens`` output tokens, over every request of the run. The
+    median keeps a one-off stall (a kernel compiled for a new shape, a
+    scheduler hiccup) out of the figure: on one GPU such stalls added 0.9 s
+    and once 60 s to a run of 32 tokens.
+
+    The long run is paired with a run of :data:`SHORT` output tokens just
+    before it: ``between`` runs before, between and after the two (counter
+    reads: their differences are decode steps alone, the same prefill in
+    both cancelling out; the last three calls belong to the returned
+    figure). A pair whose long run was not slower than its short one (a stall
+    of the machine during the short one, which would spoil the counters) is
+    measured again, up to :data:`ATTEMPTS` times, each retry told to
+    ``note``. An untimed run like the long one goes first: the first batch of
+    a shape can pay for kernel compilation or graph capture."""
     step = between or (lambda: None)
-    warm = _requests(url, served, context, n, SHORT, seed - 1)
-    _duration(url, served, warm, f"{what} (warm-up)")
+    warm = _requests(url, served, context, n, decode_tokens, seed - 1)
+    _timed(url, served, warm, f"{what} (warm-up)")
     times: list[tuple[float, float]] = []
     for attempt in range(ATTEMPTS):
         sd = seed + 1000 * attempt
         short = _requests(url, served, context, n, SHORT, sd)
         long = _requests(url, served, context, n, decode_tokens, sd + 1)
         step()
-        t_short = _duration(url, served, short, what)
+        t_short, _ = _timed(url, served, short, what)
         step()
-        t_long = _duration(url, served, long, what)
+        t_long, gaps = _timed(url, served, long, what)
         step()
-        if t_long > t_short:
-            return (t_long - t_short) / (decode_tokens - SHORT)
+        if t_long > t_short and gaps:
+            return statistics.median(gaps)
         times.append((t_long, t_short))
         if note and attempt + 1 < ATTEMPTS:
             note(
@@ -238,20 +255,26 @@ def profile(
     seed: int = 0,
     repeats: int = 1,
     tp_baselines: Sequence[int] = (),
-    measure_sharing: bool = False,
+    sharing_ranks: Sequence[int] = (),
+    measure_ubatching: bool = False,
     log: LogWatch | None = None,
     note: Callable[[str], None] | None = None,
 ) -> tuple[Profile, dict[str, list[Point]]]:
     """Measure every point on 1A1F AFD, on plain vLLM (``spec``'s model and
     vLLM arguments; also with each tensor-parallel size of ``tp_baselines``)
-    and, with ``measure_sharing`` (every role on one device, and deployments
-    of more than one attention rank to predict), on 2A1F AFD, each
-    ``repeats`` times (medians); the profile and the points by phase."""
+    and, for each k of ``sharing_ranks`` (every role on one device, and
+    deployments of more than one attention rank to predict), on kA1F AFD, and with
+    ``measure_ubatching`` (one GPU, micro-batches to predict) on 1A1F AFD with
+    2 micro-batches, each ``repeats`` times (medians); the profile and the
+    points by phase."""
     log = log or LogWatch()
     say = note or (lambda s: print(f"vllm-afd plan: {s}", file=sys.stderr, flush=True))
     grid = [(c, b) for c in contexts for b in batches]
     tp_phases = [f"plain_tp{n}" for n in tp_baselines]
-    phases = ["afd", "plain", *tp_phases, *(["shared"] if measure_sharing else [])]
+    phases = [
+        "afd", "plain", *tp_phases, *(f"shared{k}" for k in sharing_ranks),
+        *(["ubatched"] if measure_ubatching else []),
+    ]  # fmt: skip
     counter = iter(range(1, len(grid) * len(phases) + 1))
     points: dict[str, list[Point]] = {}
 
@@ -282,15 +305,25 @@ def profile(
                 what, lambda c, b, sd, url=plain.url, served=served:
                 measure_plain_point(url, served, c, b, decode_tokens, sd, say),
             )  # fmt: skip
-    if "shared" in phases:
-        say("starting AFD 2A1F to measure what sharing the cores costs ...")
-        with _afd(spec, 2, log, contexts, decode_tokens) as (url, _, served):
-            points["shared"] = each("AFD 2A1F", lambda c, b, sd: Point(
-                c, b, decode_step(url, served, 2 * b, c, decode_tokens, sd,
-                                  f"AFD 2A1F c={c} b={b}", note=say)))  # fmt: skip
+    # Phases timed by their step alone: (phase, attention ranks, micro-batches,
+    # label, why)
+    for name, ranks, ubatches, label, why in (
+        *((f"shared{k}", k, 1, f"AFD {k}A1F", f"what attention rank {k} costs "
+           "the shared device") for k in sharing_ranks),
+        ("ubatched", 1, 2, "AFD 1A1F m=2", "what 2 micro-batches change"),
+    ):  # fmt: skip
+        if name not in phases:
+            continue
+        say(f"starting {label} to measure {why} ...")
+        dep = _afd(spec, ranks, log, contexts, decode_tokens, ubatches=ubatches)
+        with dep as (url, _, served):
+            points[name] = each(label, lambda c, b, sd, r=ranks, what=label: Point(
+                c, b, decode_step(url, served, r * b, c, decode_tokens, sd,
+                                  f"{what} c={c} b={b}", note=say)))  # fmt: skip
     prof = build_profile(
         points["afd"], points["plain"], platform, decode_tokens,
-        shared=points.get("shared", ()),
+        shared={k: points[f"shared{k}"] for k in sharing_ranks},
+        ubatched=points.get("ubatched", ()),
         remote_layers=len(split["remote_layers"]) if split else 0,
         kv_attention=log.kv_of("attention"), kv_plain=log.kv_of("plain"),
         tp={n: points[f"plain_tp{n}"] for n in tp_baselines},
@@ -346,11 +379,14 @@ def cpu_bind(workers: int, cores: Sequence[int]) -> str:
 @contextlib.contextmanager
 def _afd(
     spec: DeploymentSpec, ranks: int, log: LogWatch, contexts: Sequence[int],
-    decode_tokens: int,
+    decode_tokens: int, ubatches: int = 1,
 ) -> Iterator[tuple[str, list[str], str]]:  # fmt: skip
-    """A started ``ranks``A1F deployment: (API URL, FFN URLs, served model)."""
+    """A started ``ranks``A1F deployment with ``ubatches`` micro-batches:
+    (API URL, FFN URLs, served model)."""
     dep = Deployment(
-        dataclasses.replace(spec, attention_ranks=ranks, ffn_ranks=1, ubatches=1),
+        dataclasses.replace(
+            spec, attention_ranks=ranks, ffn_ranks=1, ubatches=ubatches
+        ),
         log=log,
     )
     dep.start(spec.ready_timeout_s)
@@ -370,11 +406,17 @@ def _by_context(points: Sequence[Point]) -> dict[int, Curve]:
     }
 
 
+def _part(seconds: float, p: Point) -> float:
+    """A counter's share of ``p``'s step: within [0, step] (see the module
+    doc)."""
+    return min(max(seconds, 0.0), p.tpot_s)
+
+
 def _own(p: Point) -> float:
     """T_a: the step less the round trip, which lasts at least T_f (the
     attention may find the FFN output there already when it asks: on shared
     cores the FFN can run while the attention is descheduled)."""
-    return max(p.tpot_s - max(p.wait_s, p.ffn_s), 0.0)
+    return p.tpot_s - max(_part(p.wait_s, p), _part(p.ffn_s, p))
 
 
 def build_profile(
@@ -383,15 +425,17 @@ def build_profile(
     platform: str,
     decode_tokens: int,
     *,
-    shared: Sequence[Point] = (),
+    shared: dict[int, Sequence[Point]] | None = None,
+    ubatched: Sequence[Point] = (),
     remote_layers: int,
     kv_attention: int | None,
     kv_plain: int | None,
     tp: dict[int, Sequence[Point]] | None = None,
     kv_tp: dict[int, int | None] | None = None,
 ) -> Profile:
-    """The model's curves from measured points (pure); ``tp``: plain vLLM's
-    points per tensor-parallel size."""
+    """The model's curves from measured points (pure); ``shared``: kA1F's
+    points by k (one device), ``ubatched``: 1A1F's with 2 micro-batches (one GPU),
+    ``tp``: plain vLLM's points per tensor-parallel size."""
     contexts = sorted({p.context for p in afd})
     prof = Profile(
         platform=platform,
@@ -404,22 +448,51 @@ def build_profile(
         colocated=_by_context(plain),
         colocated_tp={n: _by_context(pts) for n, pts in (tp or {}).items()},
         kv_tokens_colocated_tp=dict(kv_tp or {}),
-        ffn=Curve.of((p.batch, p.ffn_s) for p in afd),
-        comm=Curve.of((p.batch, max(p.wait_s - p.ffn_s, 0.0)) for p in afd),
+        ffn=Curve.of((p.batch, _part(p.ffn_s, p)) for p in afd),
+        comm=Curve.of(
+            (p.batch, max(_part(p.wait_s, p) - _part(p.ffn_s, p), 0.0)) for p in afd
+        ),
         kv_tokens_attention=kv_attention,
         kv_tokens_colocated=kv_plain,
     )
-    if not shared:
-        return prof
-    # What a second attention rank on the same cores costs beyond its work:
-    # the measured 2A1F step less the model's sum without it.
-    no_share = dataclasses.replace(prof, sharing={})
-    sharing = {
-        c: Curve.of(
-            (p.batch, max(p.tpot_s - predict(no_share, Candidate(2, 1), c,
-                                             p.batch).step_s, 0.0))
-            for p in shared if p.context == c
-        )
-        for c in sorted({p.context for p in shared})
-    }  # fmt: skip
-    return dataclasses.replace(prof, sharing=sharing)
+    no_share = prof
+    for k, pts in sorted((shared or {}).items()):
+        # What attention rank k on the same device costs beyond its work: the
+        # measured kA1F step less the model's sum without it, with the S of
+        # ranks 2..k-1 fitted before (on one GPU the ranks overlap: negative,
+        # never below -T_a).
+        def fit(p: Point, k: int = k, before: Profile = prof) -> float:
+            t_a = before.attention[p.context](p.batch)
+            return (
+                p.tpot_s
+                - predict(no_share, Candidate(k, 1), p.context, p.batch).step_s
+                - sharing_cost(before, k - 1, p.context, p.batch, t_a)
+            )
+
+        prof = dataclasses.replace(prof, sharing={**prof.sharing, k: _corrections(
+            pts, fit, floor=lambda p: no_share.attention[p.context](p.batch),
+        )})  # fmt: skip
+    if ubatched:
+        # What a second micro-batch changes: the 1A1F step with two less
+        # the 1A1F step with one, both measured.
+        one = {(p.context, p.batch): p.tpot_s for p in afd}
+        prof = dataclasses.replace(prof, ubatching=_corrections(
+            ubatched, lambda p: p.tpot_s - one[p.context, p.batch]))  # fmt: skip
+    return prof
+
+
+def _corrections(
+    points: Sequence[Point],
+    value: Callable[[Point], float],
+    floor: Callable[[Point], float] | None = None,
+) -> dict[int, Curve]:
+    """``{context: signed curve of value(point) over batch}``, each value
+    not below ``-floor(point)`` when given."""
+
+    def v(p: Point) -> float:
+        return value(p) if floor is None else max(value(p), -floor(p))
+
+    return {
+        c: Curve.of(((p.batch, v(p)) for p in points if p.context == c), signed=True)
+        for c in sorted({p.context for p in points})
+    }

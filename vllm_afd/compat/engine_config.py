@@ -106,10 +106,11 @@ def _wrap_create_engine_config(original: Any) -> Any:
 
             ffn_refusal.install()
         else:
-            from vllm_afd.compat import engine_step
+            from vllm_afd.compat import engine_step, engine_stop
             from vllm_afd.serving import ffn_availability
 
             engine_step.install()  # before the engine process forks, if it does
+            engine_stop.install()  # its workers' SHUTDOWN tells a stop from a crash
             # With data parallelism vLLM serves the API from child processes
             # that build their config again; the ranks write under the pid of
             # the server that started the engines, their parent.

@@ -131,6 +131,13 @@ class AFDConnector(ConnectorCore):
         ``timeout_s``."""
         return self._control.rejoin_after_failure()
 
+    @property
+    def peer_gone(self) -> str | None:
+        """FFN side, once ``rejoin_after_failure`` returned None: which served
+        attention rank died (closed its connection without SHUTDOWN) or sent
+        garbage, and how; None when none did (it shut down for good)."""
+        return self._control.gone
+
     def close(self, reason: str | None = None) -> None:
         """Send SHUTDOWN (with ``reason``; begin it with ``protocol.REJOIN``
         when this endpoint rendezvous again), free sockets and the process

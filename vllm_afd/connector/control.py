@@ -33,6 +33,7 @@ Implementor's contract:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class ControlPlane(ABC):
     #: FFN side: why the session ended for a rendezvous again (a member left,
     #: or a peer shut down to rejoin); set before ``recv_plans`` returns None
     reform: str | None = None
+    #: FFN side: which served attention rank died (or sent garbage) and how,
+    #: when ``rejoin_after_failure`` returned None for that; None otherwise
+    gone: str | None = None
 
     @abstractmethod
     def start(
@@ -109,8 +113,15 @@ class ControlPlane(ABC):
         """FFN: once a step failed (a peer error or timeout), why the session
         re-forms, or None when it ends (the FFN rank then stops). Waits a
         bounded time (a few ``timeout_s``) for the served attention ranks
-        still connected to leave. The default: the session ends."""
+        still connected to leave; sets :attr:`gone` when a served rank died.
+        The default: the session ends."""
         return None
+
+    def lost_in(self) -> float:
+        """Attention: seconds until the serving FFN rank counts as lost for
+        its silence (negative once it does): a data wait never outlasts it.
+        The default, for planes without a heartbeat: never."""
+        return math.inf
 
     def watch_peers(self, on_lost: Callable[[int, str], None]) -> None:  # noqa: B027
         """Attention: call ``on_lost(peer, why)`` from a thread of the plane's

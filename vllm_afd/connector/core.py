@@ -48,6 +48,9 @@ from vllm_afd.topology import Topology
 
 ATT, FFN = AFDRole.ATTENTION, AFDRole.FFN
 _SETTLE_S, _SETTLE_POLLS = 0.05, 6
+#: a wait cut short by the peer's heartbeat silence lasts this much longer,
+#: so that the silence has passed its limit when the wait's error says why
+_SILENCE_MARGIN_S = 0.01
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -282,8 +285,13 @@ class ConnectorCore:
         t0 = time.perf_counter()
         timeout_s = self._wait_timeout_s
         for work, peer, tag, is_send in pending:
+            # A wait ends, at the latest, when the peer counts as lost for its
+            # heartbeat silence: a wait begun just before that (a data-parallel
+            # rank that starts its next step as its peer's fails) does not
+            # wait its whole timeout on top of the silence.
+            lost_in = self._control.lost_in() + _SILENCE_MARGIN_S
             try:
-                work.wait(timeout_s)
+                work.wait(min(timeout_s, max(lost_in, _SILENCE_MARGIN_S)))
             except AFDError as e:
                 self._wait_s += time.perf_counter() - t0
                 raise self._fail(e, peer, tag, is_send) from e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import threading
@@ -38,6 +39,19 @@ logger = logging.getLogger(__name__)
 _HEARTBEAT = MsgType.HEARTBEAT.value
 #: the peer ``watch_peers`` names when the session itself ends
 SESSION = -1
+#: FFN side: this process returned a served (EAGER or REPLAY) step in some
+#: session. From then on a WARMUP plan is an idle data-parallel rank's dummy
+#: forward, not a start-up compile, and a peer lagging behind it is waited
+#: ``timeout_s`` (also in a session re-formed in this process).
+_served_in_process = False
+
+
+def _note_served(plans: list[StepPlan]) -> None:
+    global _served_in_process
+    if not _served_in_process:
+        _served_in_process = any(
+            p.mode in (ExecMode.EAGER, ExecMode.REPLAY) for p in plans
+        )
 
 
 class P2PControlPlane(ControlPlane):
@@ -127,7 +141,7 @@ class P2PControlPlane(ControlPlane):
                 if self._closed:
                     return
                 for ch in self._channels:
-                    if not ch.eof:
+                    if ch.writable:
                         with contextlib.suppress(AFDPeerError):
                             ch.send(beat)
 
@@ -143,6 +157,18 @@ class P2PControlPlane(ControlPlane):
             ch.send(plan.to_wire())
         if plan.mode in (ExecMode.EAGER, ExecMode.REPLAY):
             self._serving = True
+
+    def lost_in(self) -> float:
+        if self._role is not AFDRole.ATTENTION or not self._heard:
+            return math.inf
+        return self._heard[0] + self._silence_limit()[1] - time.monotonic()
+
+    def _silence_limit(self) -> tuple[str, float]:
+        """The heartbeat silence that makes the FFN rank lost, and its key."""
+        if self._serving:
+            return "timeout_s", self._timeout_s
+        # warming up: the FFN may be slow to answer
+        return "warmup_timeout_s", self._warmup_timeout_s
 
     def watch_peers(self, on_lost: Callable[[int, str], None]) -> None:
         # The FFN rank sends only HEARTBEAT and SHUTDOWN on this socket; the
@@ -222,11 +248,14 @@ class P2PControlPlane(ControlPlane):
                         "next step plan"
                     )
             if all(p is not None for p in plans):
+                _note_served(plans)  # type: ignore[arg-type]
                 return plans  # type: ignore[return-value]
             timeout = None
             if first_at is not None:
                 first = next(p for p in plans if p is not None)
-                slow = first.mode in (ExecMode.WARMUP, ExecMode.CAPTURE)
+                slow = first.mode is ExecMode.CAPTURE or (
+                    first.mode is ExecMode.WARMUP and not _served_in_process
+                )
                 limit = self._warmup_timeout_s if slow else self._timeout_s
                 timeout = first_at + limit - time.monotonic()
                 if timeout <= 0:
@@ -256,13 +285,13 @@ class P2PControlPlane(ControlPlane):
 
     def rejoin_after_failure(self) -> str | None:
         """A step failed mid-way: the session re-forms unless a served
-        attention rank died (EOF without SHUTDOWN), sent garbage, or shut down
-        for good. An attention rank that gave up on this rank (it was stopped,
-        hung or cut off) shuts down with a ``REJOIN`` reason once its own step
-        wait ends, within ``timeout_s``: the wait lasts until every served
-        rank left, at most twice ``timeout_s``. Ranks still connected then are
-        told to re-form by this endpoint's ``close`` (its reason begins with
-        ``REJOIN``)."""
+        attention rank died (EOF without SHUTDOWN), sent garbage (either is
+        kept in ``gone``), or shut down for good. An attention rank that gave
+        up on this rank (it was stopped, hung or cut off) shuts down with a
+        ``REJOIN`` reason once its own step wait ends, within ``timeout_s``:
+        the wait lasts until every served rank left, at most twice
+        ``timeout_s``. Ranks still connected then are told to re-form by this
+        endpoint's ``close`` (its reason begins with ``REJOIN``)."""
         wait_s = 2 * self._timeout_s
         deadline = time.monotonic() + wait_s
         while True:
@@ -272,8 +301,11 @@ class P2PControlPlane(ControlPlane):
                 reason = self._shutdown.get(i)
                 if why is None:
                     connected.append(ch)
-                elif reason is None or not reason.startswith(protocol.REJOIN):
-                    return None  # died, sent garbage, or stopped for good
+                elif reason is None:
+                    self.gone = f"{ch.peer} {why}"  # died or sent garbage
+                    return None
+                elif not reason.startswith(protocol.REJOIN):
+                    return None  # stopped for good
                 else:
                     rejoin = rejoin or f"{ch.peer} {why}"
             left = deadline - time.monotonic()
@@ -333,10 +365,8 @@ class P2PControlPlane(ControlPlane):
             return "closed its connection (it exited or was killed)"
         if self._role is AFDRole.ATTENTION and index < len(self._heard):
             silent = time.monotonic() - self._heard[index]
-            key, limit = "timeout_s", self._timeout_s
-            if not self._serving:  # warming up: the FFN may be slow to answer
-                key, limit = "warmup_timeout_s", self._warmup_timeout_s
-            if silent > limit:
+            key, limit = self._silence_limit()
+            if silent >= limit:
                 return (
                     f"sent no heartbeat for {silent:.1f}s ({key}={limit:g}): it "
                     "is hung, stopped or cut off"
@@ -352,7 +382,7 @@ class P2PControlPlane(ControlPlane):
         os.write(self._wake_w, b"x")
         with self._io_lock:
             for ch in [*self._channels, *self._members]:
-                if not ch.eof:
+                if ch.writable:
                     with contextlib.suppress(AFDPeerError):
                         ch.send(protocol.shutdown(reason))
                 ch.close()

@@ -52,7 +52,6 @@ def _translate(e: RuntimeError) -> AFDTimeoutError | AFDPeerError:
     return AFDPeerError(text)
 
 
-_TD_CACHE: dict[float, datetime.timedelta] = {}
 _GLOO = Capabilities(graph_capturable=False, matches_tags=True, bounded_wait=True)
 #: NCCL pairs by order and its device-side waits have no host timeout
 _NCCL = Capabilities(graph_capturable=True, matches_tags=False, bounded_wait=False)
@@ -65,11 +64,8 @@ class _GlooWork(Work):
         self._work = work
 
     def wait(self, timeout_s: float) -> None:
-        td = _TD_CACHE.get(timeout_s)
-        if td is None:
-            td = _TD_CACHE[timeout_s] = _td(timeout_s)
         try:
-            self._work.wait(td)
+            self._work.wait(_td(timeout_s))
         except RuntimeError as e:
             raise _translate(e) from None
 

@@ -119,7 +119,12 @@ class Channel:
         sock.setblocking(False)
         self.sock, self.peer = sock, peer
         self.inbox: deque[dict[str, Any]] = deque()
+        #: the peer closed its side and everything it sent has been read
         self.eof = False
+        #: a send failed (the peer closed or reset the connection); what the
+        #: peer sent before is still read until ``eof``: a SHUTDOWN queued
+        #: there must not pass for a crash
+        self.broken = False
         #: the nonce this side sent in its WELCOME (listeners only)
         self.nonce = ""
         #: the first bytes the peer sent, for "does not speak the protocol"
@@ -128,6 +133,11 @@ class Channel:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    @property
+    def writable(self) -> bool:
+        """Neither closed by the peer nor broken by a failed send."""
+        return not (self.eof or self.broken)
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send one message, waiting until the kernel took all of it (at most
@@ -153,7 +163,7 @@ class Channel:
                         ) from None
                     select.select([], [self.sock], [], remaining)
         except OSError as e:
-            self.eof = True
+            self.broken = True
             raise AFDPeerError(f"{self.peer} is unreachable ({e})") from None
 
     def fill(self) -> None:

@@ -9,6 +9,7 @@ builds an MoE layer, and the family module named by the family record
     attention role                             FFN role
     MoERunner      -> AFDRemoteRunner          (native)
     RoutedExperts  -> AbsentRoutedExperts      (native)
+    FusedMoEConfig -> any intermediate width   (native)
     GateLinear     -> AbsentGate (gate on FFN) AbsentGate (gate on attention)
     dense MLP      -> remote (gate on FFN)     absent (gate on attention)
     shared experts -> absent                   (native)
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_afd.compat.patching import Patch, scoped_patch
+from vllm_afd.compat.patching import Patch, check_patch, scoped_patch
 from vllm_afd.config import AFDConfig
 from vllm_afd.models.families import Family
 from vllm_afd.models.remote import (
@@ -67,6 +68,30 @@ ROUTED_EXPERTS = Patch(
     reason="attention role: no routed-expert weights",
     removal="when vLLM's MoE factory accepts a routed-experts class per load",
 )
+
+MOE_CONFIG = Patch(
+    target=f"{_FACTORY}:FusedMoEConfig",
+    expected_params=None,  # wrapped as (**kwargs): the factory passes keywords
+    reason="attention role: vLLM shards the experts' intermediate size over "
+    "the data-parallel x tensor-parallel ranks and asserts that it divides; "
+    "the attention role holds no experts, so any rank count must build",
+    removal="when vLLM checks the intermediate size only where experts are built",
+)
+
+
+def any_width_moe_config(native: Any) -> Any:
+    """vLLM's ``FusedMoEConfig`` with the intermediate size rounded up to a
+    multiple of the ranks it is sharded over (the attention role's MoE layers
+    hold no experts: the size shapes nothing there, but vLLM asserts that it
+    divides, so 3 attention ranks of a model of width 64 would not start)."""
+
+    def build(**kwargs: Any) -> Any:
+        ranks = kwargs["moe_parallel_config"].tp_size
+        kwargs["intermediate_size"] = -(-kwargs["intermediate_size"] // ranks) * ranks
+        return native(**kwargs)
+
+    return build
+
 
 #: vLLM's generic layers the FFN role does not build, where a family module
 #: imports them
@@ -124,6 +149,7 @@ def patches_for(
     if afd.is_attention:
         out.append((RUNNER, AFDRemoteRunner))
         out.append((ROUTED_EXPERTS, AbsentRoutedExperts))
+        out.append((MOE_CONFIG, any_width_moe_config(check_patch(MOE_CONFIG))))
     else:
         for name in (*family.attention, *FFN_ABSENT_LAYERS):
             if hasattr(module, name):

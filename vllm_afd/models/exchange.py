@@ -84,9 +84,10 @@ class AttentionExchange:
             if self.on_step is not None:
                 self.on_step(plan)
             if self.link is not None:
+                self.link.begin_step()
                 self.connector = self.link.connector
                 if self.connector is None and self.failure is None:
-                    self.failure = self.link.state.why
+                    self.failure = self.link.unavailable_because()
             if self.connector is not None:
                 try:
                     self.connector.send_plan(plan)

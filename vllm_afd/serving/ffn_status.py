@@ -3,10 +3,13 @@
 An attention rank's engine runs in another process than the API server that
 answers for it, so each rank's FFN link (``worker.ffn_link``) writes its state
 to a small JSON file in a directory named after the server's pid
-(``AFD_SERVER_PID``), replaced atomically on every change; the API server
-reads the directory (at most every :data:`READ_EVERY_S`). A rank without a
-file has not opened its link yet and counts as up: vLLM does not answer
-before every local engine is ready.
+(``AFD_SERVER_PID``), replaced atomically on every change. Every API server
+process (one per local rank with data parallelism) looks at the directory's
+modification time on each request and reads the files again when it moved,
+so no process answers from a state older than the last change: a ``200`` from
+one is never followed by a ``503`` from another for a change made before it.
+A rank without a file has not opened its link yet and counts as up: vLLM does
+not answer before every local engine is ready.
 
 Ranks of this server on other hosts (``--headless`` nodes) write on their
 own host; their losses reach this API server all the same, since a lost
@@ -24,8 +27,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-#: seconds an API server reuses what it last read
-READ_EVERY_S = 0.1
+#: nanoseconds after a change during which the directory is read on every
+#: request: changes within one tick of the file system's clock (a few ms) can
+#: leave its modification time as it was
+SETTLE_NS = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -91,17 +96,27 @@ def reset(server_pid: int) -> None:
 
 
 class StatusReader:
-    """The API server's view, re-read at most every :data:`READ_EVERY_S`."""
+    """The API server's view: read again whenever the directory changed (one
+    ``stat`` per call otherwise)."""
 
     def __init__(self, server_pid: int) -> None:
         self.server_pid = server_pid
-        self._at = 0.0
+        self._dir = status_dir(server_pid)
+        self._stamp: int | None = None  # the directory's mtime when last read
+        self._settled = False  # that read began SETTLE_NS after the change
         self._states: list[LinkState] = []
 
     def states(self) -> list[LinkState]:
-        now = time.monotonic()
-        if now - self._at >= READ_EVERY_S:
-            self._states, self._at = read(self.server_pid), now
+        try:
+            stamp: int | None = os.stat(self._dir).st_mtime_ns
+        except OSError:
+            stamp = None
+        if stamp != self._stamp or not self._settled:
+            began = time.time_ns()
+            self._states, self._stamp = read(self.server_pid), stamp
+            # A later change moves the mtime unless it fell in the tick of
+            # ``stamp``; once a read began past that tick, none can.
+            self._settled = stamp is None or began - stamp >= SETTLE_NS
         return self._states
 
     def down(self) -> list[LinkState]:

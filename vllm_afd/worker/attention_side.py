@@ -11,6 +11,7 @@ from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
 from vllm_afd import envs
+from vllm_afd.compat import dp_vote
 from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.config import afd_config_of
 from vllm_afd.connector import factory
@@ -241,6 +242,7 @@ class AttentionSideMixin(AFDRunnerMixin):
     def afd_close(self) -> None:
         install_exchange(None)
         if self.afd_link is not None:
+            dp_vote.uninstall()
             self.afd_link.close()
             self.afd_link = None
             self.afd_endpoint = None  # its connector was the link's
@@ -265,10 +267,17 @@ def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink:
         if server_pid is not None:
             ffn_status.publish(server_pid, state)
 
-    return FFNLink(
+    # Data-parallel ranks go live together after a rejoin: they vote in
+    # vLLM's per-forward DP coordination (``compat.dp_vote``).
+    aligned = vllm_config.parallel_config.data_parallel_size > 1
+    link = FFNLink(
         endpoint.connector,
         reconnect,
         attention_rank=rank,
         ffn_rank=endpoint.topology.ffn_peer(rank),
         publish=publish,
+        aligned=aligned,
     )
+    if aligned:
+        dp_vote.install(link)
+    return link

@@ -9,6 +9,17 @@
           flight, closes the connector and runs the rendezvous again
     down ──(a new connector started: handshake passed)──▶ up
 
+With data parallelism (``aligned``) every attention rank must go live in the
+same forward: vLLM steps its DP ranks together (one collective per forward),
+and an FFN rank merges its peers' plans of each step, so a rank that went
+live one forward before the others would wait for the FFN while the FFN
+waits for plans the others cannot send before that rank reaches their next
+collective. An aligned link therefore stages the new connector (published up,
+so the API admits requests again) and activates it at the first forward
+whose DP coordination says that every rank is ready: each rank votes in
+vLLM's own per-forward all-reduce (``compat.dp_vote``), so all ranks read the
+same result.
+
 A rank that comes back with another model or topology is refused by the
 handshake (AFDProtocolError naming the fields); the link logs it and keeps
 waiting for a right one, every :data:`RETRY_S`. Each change is published for
@@ -59,6 +70,9 @@ class FFNLink:
             ``connect_timeout_s``; raises AFDError when it cannot).
         attention_rank, ffn_rank: whose link this is.
         publish: called with every new :class:`LinkState`.
+        aligned: a rejoined connector goes live at the first forward every
+            data-parallel rank voted ready for (:meth:`vote`,
+            :meth:`decided`, :meth:`begin_step`), not at once.
     """
 
     def __init__(
@@ -69,8 +83,13 @@ class FFNLink:
         attention_rank: int,
         ffn_rank: int,
         publish: Callable[[LinkState], None] | None = None,
+        aligned: bool = False,
     ) -> None:
         self._connector: AttentionEndpoint | None = connector
+        self._aligned = aligned
+        # aligned: a rejoined connector waiting for the ranks' vote
+        self._staged: AttentionEndpoint | None = None
+        self._all_ready = False  # the vote of the current forward
         self._reconnect = reconnect
         self._publish = publish
         self._lock = threading.Lock()  # state
@@ -84,8 +103,62 @@ class FFNLink:
 
     @property
     def connector(self) -> AttentionEndpoint | None:
-        """The connector to exchange through; None while the FFN is away."""
+        """The connector to exchange through; None while the FFN is away
+        (or, aligned, while a rejoined one waits for the other ranks)."""
         return self._connector if self.state.up else None
+
+    @property
+    def waiting_for_ranks(self) -> bool:
+        """Aligned: rejoined, waiting for every data-parallel rank's vote."""
+        return self._staged is not None
+
+    def unavailable_because(self) -> str:
+        """Why a forward runs without exchanging now."""
+        if self.state.up:
+            return (
+                f"ffn rank {self.state.ffn_rank} rejoined; the data-parallel "
+                "ranks exchange again from the first forward all of them are back"
+            )
+        return self.state.why
+
+    def vote(self) -> bool:
+        """This rank's vote in a forward's DP coordination: ready to exchange
+        (up, or a rejoined connector staged)."""
+        return self.state.up
+
+    def decided(self, all_ready: bool) -> None:
+        """The vote of the forward about to run: every rank was ready."""
+        self._all_ready = all_ready
+
+    def begin_step(self) -> None:
+        """A forward begins (the worker's thread, after the forward's DP
+        coordination): activate a staged connector if every rank voted
+        ready, so that all ranks go live in this same forward."""
+        all_ready, self._all_ready = self._all_ready, False
+        staged = self._staged
+        if staged is None or not all_ready:
+            return
+        with self._lock:
+            if self._staged is not staged or self._closed:
+                return
+            self._staged = None
+        try:
+            staged.resume()
+        except AFDError as e:
+            with self._lock:
+                self._connector = staged  # closed by the rejoin
+            self.lost(f"the rejoined connector failed before its first step: {e}")
+            return
+        with self._lock:
+            if self._closed or not self.state.up:
+                staged.close()
+                return
+            self._connector = staged
+        logger.info(
+            "AFD attention rank %d: every data-parallel rank rejoined; exchanging "
+            "with ffn rank %d again",
+            self.state.attention_rank, self.state.ffn_rank,
+        )  # fmt: skip
 
     @property
     def stats(self) -> ConnectorStats:
@@ -122,8 +195,10 @@ class FFNLink:
         self._thread.start()
 
     def _rejoin(self) -> None:
-        with self._steps:  # the step in flight ends first (its waits are bounded)
-            old, self._connector = self._connector, None
+        # The step in flight ends first (its waits are bounded).
+        with self._steps, self._lock:
+            old, self._connector = self._connector or self._staged, None
+            self._staged = None
         s = self.state
         if old is not None:
             self._old = _added(self._old, old.stats)
@@ -159,32 +234,41 @@ class FFNLink:
             time.sleep(RETRY_S)
 
     def _install(self, connector: AttentionEndpoint) -> bool:
-        """Serve through ``connector``; False when closed meanwhile or when
-        it failed before its first step (the caller retries)."""
-        with self._steps:  # no step runs while the data plane starts anew
-            try:
-                connector.resume()
-            except AFDError as e:
-                logger.warning(
-                    "AFD attention rank %d: the new connector failed before its "
-                    "first step, rendezvous again: %s",
-                    self.state.attention_rank, e,
-                )  # fmt: skip
-                connector.close()
-                return False
+        """Serve through ``connector``: at once, or, aligned, staged for
+        :meth:`begin_step` (which resumes and activates it in the first
+        forward every rank voted ready for) while the link reports up, so
+        that the API admits requests again. False when closed meanwhile or
+        when it failed before its first step (the caller retries)."""
+        if not self._aligned:
+            with self._steps:  # no step runs while the data plane starts anew
+                try:
+                    connector.resume()
+                except AFDError as e:
+                    logger.warning(
+                        "AFD attention rank %d: the new connector failed before "
+                        "its first step, rendezvous again: %s",
+                        self.state.attention_rank, e,
+                    )  # fmt: skip
+                    connector.close()
+                    return False
         with self._lock:
             if self._closed:
                 connector.close()
                 return False
             s = self.state
-            self._connector = connector
+            if self._aligned:
+                self._staged = connector
+            else:
+                self._connector = connector
             self.state = LinkState(
                 s.attention_rank, s.ffn_rank, True, "", time.time(),
                 s.losses, s.rejoins + 1,
             )  # fmt: skip
         logger.info(
-            "AFD attention rank %d: ffn rank %d rejoined after %.1fs; serving again",
+            "AFD attention rank %d: ffn rank %d rejoined after %.1fs; %s",
             s.attention_rank, s.ffn_rank, time.time() - s.since,
+            "exchanging from the first forward every data-parallel rank is back "
+            "for" if self._aligned else "serving again",
         )  # fmt: skip
         self._changed(self.state)
         connector.watch_peers(self.lost)
@@ -201,7 +285,8 @@ class FFNLink:
         """Close the connector; a rejoin in progress gives up. Idempotent."""
         with self._lock:
             self._closed = True
-            connector, self._connector = self._connector, None
+            connector, self._connector = self._connector or self._staged, None
+            self._staged = None
         if connector is not None:
             connector.close()
 

@@ -247,8 +247,15 @@ class FFNSideMixin(AFDRunnerMixin):
         if error is None and envs.keep_ffn_alive():
             return
         why = "attention peers shut down" if error is None else f"loop failed: {error}"
+        gone = None
+        if connector is not None and served is connector:
+            gone = connector.peer_gone
         if error is None:
             envs.note_stop(why)  # for good: a launcher stops its node
+        elif gone is not None:
+            # An attention rank cannot rejoin a running deployment: a launcher
+            # stops this node with an error instead of restarting this rank.
+            envs.note_stop(gone, peer_died=True)
         if error is None and connector is not None:
             # Say so to the session's members now (FFN rank 0: the ranks not
             # served by it): a member that only saw this process's sockets

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_afd import lifeline
 from vllm_afd.worker.endpoint import Endpoint
 from vllm_afd.worker.metrics import MetricsPublisher
 from vllm_afd.worker.profiling import StepProfiler
@@ -27,6 +28,10 @@ class AFDRunnerMixin:
     def shutdown(self) -> None:
         self.afd_close()
         super().shutdown()  # type: ignore[misc]
+        # The connector is closed (the peers were told): once its server is
+        # gone this process need not finish the interpreter's teardown (its
+        # last garbage collections take seconds on a busy host).
+        lifeline.done()
 
     def afd_start(self) -> None:
         raise NotImplementedError
