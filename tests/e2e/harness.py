@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 
 #: one line per model-family case (test_families.py), printed at the end
 FAMILY_RESULTS: list[str] = []

@@ -14,7 +14,7 @@ import time
 import pytest
 from harness import LogSink, make_spec
 
-from vllm_afd.cli.launch import role_processes
+from vllm_afd.deploy import role_processes
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e

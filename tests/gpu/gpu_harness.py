@@ -18,7 +18,7 @@ from harness import (
     warm_up,
 )
 
-from vllm_afd.cli.launch import DeploymentSpec
+from vllm_afd.deploy import DeploymentSpec
 
 #: settings of every GPU end-to-end server, AFD and baseline alike
 GPU_ARGS = [

@@ -8,14 +8,9 @@ import re
 import pytest
 
 from vllm_afd.cli import main as cli
-from vllm_afd.cli.launch import (
-    CPU_COMPILATION_CONFIG,
-    DeploymentSpec,
-    LaunchError,
-    PlainServer,
-    role_processes,
-)
 from vllm_afd.config import parse_afd_config
+from vllm_afd.deploy import DeploymentSpec, LaunchError, PlainServer, role_processes
+from vllm_afd.deploy.commands import CPU_COMPILATION_CONFIG
 
 
 def _afd(proc) -> dict:
@@ -322,7 +317,7 @@ def test_every_role_binds_the_api_host_and_its_url_says_where(
     ],
 )
 def test_ready_line_is_the_url_a_local_client_uses(api_host, line) -> None:
-    from vllm_afd.cli.launch import Deployment, ready_line
+    from vllm_afd.deploy import Deployment, ready_line
 
     spec = DeploymentSpec(
         model="m", attention_ranks=2, port=9000, api_host=api_host, cpu_workaround=False

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vllm_afd.cli import main as cli
-from vllm_afd.cli import placement
+from vllm_afd.deploy import placement
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
 THREE_HOSTS = "10.0.0.1,10.0.0.2,10.0.0.3"

@@ -9,9 +9,8 @@ import shlex
 import pytest
 
 from vllm_afd.cli import main as cli
-from vllm_afd.cli import placement
-from vllm_afd.cli.launch import DeploymentSpec, dry_run, role_processes
-from vllm_afd.cli.placement import Placement, PlacementError, node_rank_from
+from vllm_afd.deploy import DeploymentSpec, dry_run, placement, role_processes
+from vllm_afd.deploy.placement import Placement, PlacementError, node_rank_from
 
 HOSTS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
 

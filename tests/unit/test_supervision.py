@@ -15,15 +15,15 @@ import time
 
 import pytest
 
-from vllm_afd.cli import launch
-from vllm_afd.cli.launch import (
-    MAX_BACKOFF_S,
+from vllm_afd.deploy import (
     Deployment,
     DeploymentEnded,
     DeploymentSpec,
     LaunchError,
     RoleProcess,
 )
+from vllm_afd.deploy import deployment as launch
+from vllm_afd.deploy.deployment import MAX_BACKOFF_S
 
 SERVER = """
 import http.server, sys

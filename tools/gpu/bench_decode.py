@@ -44,7 +44,7 @@ from pathlib import Path
 from vllm_afd import envs
 from vllm_afd.cli.bench import settled_counters
 from vllm_afd.cli.client import post_json, served_model
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
+from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
 #: DeepSeek-V2-Lite's published shapes

@@ -41,15 +41,9 @@ from vllm_afd.cli.bench_workload import (
     timed_request,
 )
 from vllm_afd.cli.client import afd_metrics
-from vllm_afd.cli.launch import (
-    Deployment,
-    DeploymentSpec,
-    LaunchError,
-    PlainServer,
-    add_device_flags,
-    add_topology_flags,
-)
+from vllm_afd.cli.launch import add_device_flags, add_topology_flags
 from vllm_afd.config import DEFAULT_PORT
+from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 from vllm_afd.models.layout import parse_model_line
 
 

@@ -21,7 +21,7 @@ from vllm_afd.cli.client import (
     collect_answers,
     per_step_figures,
 )
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
+from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
 
 DEFAULT_DIR = Path.home() / ".cache" / "vllm-afd" / "tiny"
 DEMO_VLLM_ARGS = [

@@ -28,12 +28,6 @@ from typing import Any
 
 from vllm_afd.cli import bench_report
 from vllm_afd.cli.bench_workload import model_info
-from vllm_afd.cli.launch import (
-    Deployment,
-    DeploymentSpec,
-    LaunchError,
-    tensor_parallel_size,
-)
 from vllm_afd.cli.plan_model import (
     MAX_SHARED_RANKS,
     SHARED_PLATFORMS,
@@ -52,6 +46,8 @@ from vllm_afd.cli.plan_profile import (
     warm_up,
 )
 from vllm_afd.config import DEFAULT_PORT
+from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError
+from vllm_afd.deploy.spec import tensor_parallel_size
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import Topology
 

@@ -47,8 +47,8 @@ from vllm_afd.cli.bench_workload import (
     model_info,
     run_requests,
 )
-from vllm_afd.cli.launch import Deployment, DeploymentSpec, PlainServer
 from vllm_afd.cli.plan_model import Candidate, Curve, Profile, predict, sharing_cost
+from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
 
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 

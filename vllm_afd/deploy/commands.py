@@ -1,0 +1,166 @@
+"""Command lines and environments of every role process of a deployment,
+and ``--dry-run``'s rendering of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from vllm_afd.deploy import placement
+from vllm_afd.deploy.process import RoleProcess
+from vllm_afd.deploy.spec import DeploymentSpec, vllm_arg
+
+#: CPU work-around for vLLM 0.32.0's rotary kernel on DeepSeek (see docs).
+CPU_COMPILATION_CONFIG = '{"custom_ops":["all","-rotary_embedding"]}'
+
+
+def shared_gpu_memory_args(spec: DeploymentSpec, per_device: int) -> list[str]:
+    """``--gpu-memory-utilization`` for attention ranks that share a GPU: each
+    gets 0.9 / ranks-per-device, unless the arguments set it."""
+    given = [*spec.vllm_args, *spec.attention_args]
+    if per_device == 1 or vllm_arg(given, "--gpu-memory-utilization") is not None:
+        return []
+    return ["--gpu-memory-utilization", f"{0.9 / per_device:.2f}"]
+
+
+def wants_cpu_workaround(spec: DeploymentSpec) -> bool:
+    if any(a.startswith("--compilation-config") or a == "-cc" for a in spec.vllm_args):
+        return False
+    if spec.cpu_workaround is not None:
+        return spec.cpu_workaround
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def serve_argv(
+    model: str, port: int, extra: Sequence[str], host: str = "127.0.0.1"
+) -> list[str]:
+    """argv of one ``vllm-afd serve`` process, its API bound to ``host``."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm_afd.cli.main",
+        "serve",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+def api_host_of(spec: DeploymentSpec, role_args: Sequence[str], node: int = 0) -> str:
+    """The API bind address of a role: a ``--host`` among its vLLM arguments
+    (they come last on its command line, so vLLM takes it), else the spec's."""
+    given = vllm_arg([*role_args, *spec.vllm_args], "--host")
+    return given if given is not None else spec.node_api_host(node)
+
+
+def child_env(devices: str | None) -> dict[str, str]:
+    """A server process's own environment: this one's, without the parent
+    server's pid, with this launcher's pid (``AFD_LAUNCHER_PID``: the role
+    stops when the launcher is gone, see ``vllm_afd.lifeline``) and
+    ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is."""
+    env = dict(os.environ)
+    env.pop("AFD_SERVER_PID", None)
+    env["AFD_LAUNCHER_PID"] = str(os.getpid())
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    return env
+
+
+def role_processes(
+    spec: DeploymentSpec, node: int | None = None, *, check_local: bool = True
+) -> list[RoleProcess]:
+    """The processes of ``spec`` on ``node`` (default: the spec's node
+    rank): FFN ranks first (FFN 0 hosts the rendezvous).
+
+    One ``vllm serve`` per FFN rank (``afd.rank``; ports ``ffn_port + k``) and
+    one for the attention role, with ``--data-parallel-size M`` when M > 1;
+    across hosts, one attention server per node that holds attention ranks
+    (``Placement.attention_flags``), and every process gets its node's
+    address and interface (``placement.node_env``; ``check_local``: that
+    address must be this host's).
+
+    Raises:
+        PlacementError: the placement is not valid, or (``check_local``)
+            this node's address is not this host's.
+    """
+    node = spec.node_rank if node is None else node
+    place = spec.placement()
+    node_vars = (
+        placement.node_env(place.hosts[node], check_local=check_local)
+        if spec.multi_host
+        else {}
+    )
+    common = list(spec.vllm_args)
+    if wants_cpu_workaround(spec):
+        common += ["--compilation-config", CPU_COMPILATION_CONFIG]
+    ffn_port = spec.ffn_port or spec.port + 1
+    attention_devices, ffn_devices = spec.role_devices()
+    procs = []
+    for k in place.ffn_ranks_on(node):
+        afd = spec.afd_config("ffn")
+        if spec.ffn_ranks > 1:
+            afd["rank"] = k
+        extra = ["--additional-config", json.dumps({"afd": afd})]
+        name = "ffn" if spec.ffn_ranks == 1 else f"ffn{k}"
+        host = api_host_of(spec, spec.ffn_args, node)
+        argv = serve_argv(
+            spec.model, ffn_port + k, extra + spec.ffn_args + common, host
+        )
+        env = {**child_env(ffn_devices[k]), **node_vars}
+        procs.append(RoleProcess(name, argv, ffn_port + k, env, host))
+    if not place.attention_ranks_on(node):
+        return procs
+    afd = spec.afd_config("attention")
+    extra = ["--additional-config", json.dumps({"afd": afd})]
+    extra += place.attention_flags(node, spec.dp_rpc_port or spec.afd_port + 2)
+    extra += shared_gpu_memory_args(spec, afd.get("attention_ranks_per_device", 1))
+    host = api_host_of(spec, spec.attention_args, node)
+    argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common, host)
+    env = {**child_env(attention_devices), **node_vars}
+    headless = node != place.attention_leader
+    procs.append(
+        RoleProcess("attention", argv, spec.port, env, host, headless=headless)
+    )
+    return procs
+
+
+SHOWN_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+)  # fmt: skip
+
+
+def dry_run(spec: DeploymentSpec, only: int | None = None) -> str:
+    """Every node's processes as shell lines (``only``: that node's): the
+    variables a process gets beyond the launcher's environment, then its
+    ``vllm-afd serve`` command. Interfaces of other hosts than this one show
+    as ``<interface of ADDRESS>``."""
+    place = spec.placement()
+    out = [f"# AFD {spec.attention_ranks}A{spec.ffn_ranks}F on {place.num_nodes} "]
+    out[0] += "node" if place.num_nodes == 1 else "nodes"
+    out += [f"# {line}" for line in place.describe().splitlines()]
+    for node in range(place.num_nodes):
+        if only is not None and node != only:
+            continue
+        out.append(f"## node {node} ({place.hosts[node]})")
+        for proc in role_processes(spec, node, check_local=False):
+            shown = [
+                f"{k}={shlex.quote(proc.env[k])}"
+                for k in SHOWN_VARIABLES
+                if k in proc.env and proc.env[k] != os.environ.get(k)
+            ]
+            argv = ["vllm-afd", *proc.argv[3:]]  # [python, -m, module, serve, ...]
+            out.append(f"# {proc.name}{' (headless)' if proc.headless else ''}")
+            out.append(" ".join([*shown, shlex.join(argv)]))
+    return "\n".join(out)
