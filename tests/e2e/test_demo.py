@@ -33,7 +33,6 @@ def test_demo_answers_requests_as_plain_vllm_does(tmp_path: Path) -> None:
         "--port", str(port),
         "--afd-port", str(afd_port),
         "--max-tokens", "8",
-        "--quiet",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -93,7 +93,9 @@ def _bindable(port: int) -> bool:
 class Launched(Collected):
     """``vllm-afd launch`` on free ports, its output collected."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(
+        self, model: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.afd_port = free_port_pair()
         self.port, self.ffn_port = [
             p for p in free_ports(4) if p not in (self.afd_port, self.afd_port + 1)
@@ -114,7 +116,8 @@ class Launched(Collected):
                 *extra,
                 "--",
                 *VLLM_ARGS,
-            ]  # fmt: skip
+            ],  # fmt: skip
+            env=env,
         )
 
     def role_groups(self) -> set[int]:
@@ -140,12 +143,28 @@ def _wait_gone(groups: set[int], timeout: float) -> float:
 
 
 # ----------------------------------------------------------------- cases
-def test_ready_line_sockets_and_a_clean_stop(model):
-    run = Launched(model)
+def _own_memory_sizing() -> dict[str, str]:
+    """This environment without the suite's KV cache size: the launcher sizes
+    the roles' memory itself, as for a user who set none."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+
+
+def test_ready_line_sockets_and_a_clean_stop(model, tmp_path):
+    """Also: no memory setting anywhere (as a newcomer runs it): the launcher
+    gives the attention role a KV cache that fits beside the FFN role, says
+    so, and the default console shows no vLLM banner, each role's full log
+    in --log-dir."""
+    run = Launched(model, "--log-dir", str(tmp_path), env=_own_memory_sizing())
     try:
         ready = run.wait_line(r"ready: http", READY_TIMEOUT_S)
         url = f"http://127.0.0.1:{run.port}"
         assert ready.strip() == f"AFD 1A1F ready: {url}/v1"
+        run.wait_line(r"memory: .* GiB of RAM available", 1)
+        run.wait_line(rf"role logs in {tmp_path}", 1)
+        attention_log = (tmp_path / "attention.log").read_text()
+        assert "Explicitly set" in attention_log  # vLLM took the launcher's size
+        assert "AFD connector up" in (tmp_path / "ffn.log").read_text()
+        assert not any(" INFO " in x and "AFD" not in x for x in run.lines), run.lines
         out = complete(url, served_model(url), "hello", 4, stream=False)
         assert len(out.token_ids) == 4
         groups = run.role_groups()
@@ -155,16 +174,21 @@ def test_ready_line_sockets_and_a_clean_stop(model):
         assert {run.port, run.ffn_port, run.afd_port + 1} <= ports, sockets
         wide = [s for s in sockets if s[0] not in LOOPBACK]
         assert not wide, f"listening beyond loopback: {wide}"
-        start_log = "".join(run.lines)
+        start_log = "".join(run.lines) + attention_log
+        start_log += (tmp_path / "ffn.log").read_text()
         assert "model_class_overrides" not in start_log
         assert "development/debugging" not in start_log
         n = len(run.lines)
+        logs = [tmp_path / "attention.log", tmp_path / "ffn.log"]
+        sizes = [log.stat().st_size for log in logs]
         t0 = time.monotonic()
         os.kill(run.proc.pid, signal.SIGTERM)
         assert run.proc.wait(60) == 0
         stopped = time.monotonic() - t0
         _wait_gone(groups, 10)
-        stop_log = "".join(run.lines[n:])
+        stop_log = "".join(run.lines[n:]) + "".join(
+            log.read_text()[size:] for log, size in zip(logs, sizes, strict=True)
+        )
         for noise in ("Traceback", " ERROR ", "nanobind", "leaked"):
             assert noise not in stop_log, stop_log
         print(f"clean stop: launcher exited {stopped:.1f}s after SIGTERM")
@@ -172,8 +196,28 @@ def test_ready_line_sockets_and_a_clean_stop(model):
         run.cleanup()
 
 
+def test_a_role_failing_at_start_names_its_cause(model, tmp_path):
+    """The attention role asks for 99.9 % of the RAM (vLLM's own check fails
+    in its worker): the launcher's error is that role's first exception
+    line, not "exited with code 1", with the path of its full log."""
+    run = Launched(
+        model, "--log-dir", str(tmp_path),
+        "--attention-args", "--gpu-memory-utilization 0.999",
+        env=_own_memory_sizing(),
+    )  # fmt: skip
+    try:
+        assert run.proc.wait(READY_TIMEOUT_S) == 1
+        run.wait_line("", 1)  # the reader has seen the end
+        error = run.wait_line(r"vllm-afd launch: the attention process exited", 5)
+        assert "ValueError: Available memory on node" in error, error
+        assert f"(full log: {tmp_path / 'attention.log'})" in error, error
+        assert len(run.lines) < 40, "".join(run.lines)
+    finally:
+        run.cleanup()
+
+
 def test_sigkilled_launcher_leaves_no_role_running(model):
-    run = Launched(model)
+    run = Launched(model, "--verbose")
     try:
         run.wait_line(r"ready: http", READY_TIMEOUT_S)
         groups = run.role_groups()
@@ -189,7 +233,7 @@ def test_sigkilled_launcher_leaves_no_role_running(model):
 
 
 def test_sigterm_while_the_roles_start_stops_them_all(model):
-    run = Launched(model)
+    run = Launched(model, "--verbose")
     try:
         deadline = time.monotonic() + 60
         while len(run.role_groups()) < 2:

@@ -85,7 +85,7 @@ def _launch_argv(model, a: int, f: int, att: str, ffn: str, addrs: list[str]):
     return [
         sys.executable, "-m", "vllm_afd.cli.main", "launch", str(model),
         "-A", str(a), "-F", str(f), "--hosts", ",".join(addrs),
-        "--attention-nodes", att, "--ffn-nodes", ffn,
+        "--attention-nodes", att, "--ffn-nodes", ffn, "--verbose",
         "--", *BASE_ARGS, *EXTRA,
     ]  # fmt: skip
 

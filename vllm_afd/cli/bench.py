@@ -44,6 +44,7 @@ from vllm_afd.cli.client import afd_metrics
 from vllm_afd.cli.launch import add_device_flags, add_topology_flags
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.deploy.logs import new_log_dir
 from vllm_afd.models.layout import parse_model_line
 
 
@@ -161,14 +162,18 @@ class LogTail:
     :meth:`close` lines are only kept, not forwarded.
     """
 
-    def __init__(self, also: IO[str] | None, owned: bool = False) -> None:
+    def __init__(
+        self, also: IO[str] | None, owned: bool = False, log_dir: Path | None = None
+    ) -> None:
         self.lines: collections.deque[str] = collections.deque(maxlen=60)
+        #: each role's full log, ROLE.log (named in a start-up failure)
+        self.log_dir = log_dir
         self.also, self.owned = also, owned
         self._lock = threading.Lock()
         #: the attention role's model split, from its start-up line
         self.split: dict[str, Any] | None = None
 
-    def write(self, text: str) -> None:
+    def write(self, text: str) -> int:
         self.lines.append(text)
         if self.split is None and "AFD attention model: split" in text:
             parsed = parse_model_line(text)
@@ -177,6 +182,7 @@ class LogTail:
         with self._lock:
             if self.also is not None:
                 self.also.write(text)
+        return len(text)
 
     def flush(self) -> None:
         with self._lock:
@@ -203,7 +209,7 @@ def afd_target(
         yield args.afd_url.rstrip("/"), [u.rstrip("/") for u in args.ffn_url]
         return
     _note(f"starting AFD {spec.attention_ranks}A{spec.ffn_ranks}F ...")
-    deployment = Deployment(spec, log=log)
+    deployment = Deployment(spec, log=log, log_dir=log.log_dir)
     deployment.start(args.ready_timeout)
     try:
         yield deployment.api_url, [p.url for p in deployment.ffns]
@@ -219,7 +225,7 @@ def baseline_target(
         yield args.baseline_url and args.baseline_url.rstrip("/")
         return
     _note("starting plain vLLM (baseline) on the same model and settings ...")
-    with PlainServer(spec, log=log) as plain:
+    with PlainServer(spec, log=log, log_dir=log.log_dir) as plain:
         yield plain.url
 
 
@@ -411,10 +417,13 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 8
+    log_dir = new_log_dir() if args.model and not args.afd_url else None
     if args.server_log:
-        log = LogTail(open(args.server_log, "w"), owned=True)  # noqa: SIM115
+        log = LogTail(open(args.server_log, "w"), owned=True, log_dir=log_dir)  # noqa: SIM115
     else:
-        log = LogTail(sys.stderr if args.verbose else None)
+        log = LogTail(sys.stderr if args.verbose else None, log_dir=log_dir)
+    if log_dir is not None:
+        _note(f"role logs in {log_dir}")
     try:
         report = measure(args, vllm_args, log)
     except (LaunchError, ValueError, OSError) as exc:

@@ -11,7 +11,6 @@ outputs are identical.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from vllm_afd.cli.client import (
@@ -21,6 +20,7 @@ from vllm_afd.cli.client import (
     collect_answers,
     per_step_figures,
 )
+from vllm_afd.cli.launch import add_log_flags, console_and_logs
 from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
 
 DEFAULT_DIR = Path.home() / ".cache" / "vllm-afd" / "tiny"
@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--afd-port", type=int, default=29650)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--quiet", action="store_true", help="hide server logs")
+    add_log_flags(p)
     p.set_defaults(func=run_demo)
 
 
@@ -83,7 +83,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").exists():
         print(f"writing tiny {args.arch} model to {model_dir}", flush=True)
         write_tiny_checkpoint(model_dir, arch=args.arch, num_layers=4)
-    log = None if args.quiet else sys.stdout
+    log, log_dir = console_and_logs(args, "demo")
     spec = DeploymentSpec(
         model=str(model_dir),
         port=args.port,
@@ -91,12 +91,12 @@ def run_demo(args: argparse.Namespace) -> int:
         vllm_args=list(DEMO_VLLM_ARGS),
     )
     print("starting AFD 1A1F (attention + FFN) ...", flush=True)
-    with Deployment(spec, log=log) as afd:
+    with Deployment(spec, log=log, log_dir=log_dir) as afd:
         print(f"AFD ready: {afd.api_url}/v1", flush=True)
         afd_answers = collect_answers(afd.api_url, args.max_tokens)
         metrics = afd_metrics(afd.api_url)
     print("starting plain vLLM on the same model and settings ...", flush=True)
-    with PlainServer(spec, log=log) as plain:
+    with PlainServer(spec, log=log, log_dir=log_dir) as plain:
         plain_answers = collect_answers(plain.url, args.max_tokens)
 
     _print_answers("AFD 1A1F", afd_answers)

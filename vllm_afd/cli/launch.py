@@ -19,9 +19,11 @@ import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, dry_run, placement, ready_line
+from vllm_afd.deploy.logs import ConsoleFilter, TextSink, new_log_dir
 from vllm_afd.deploy.placement import PlacementError
 from vllm_afd.deploy.process import DeploymentEnded, LaunchError
 
@@ -124,8 +126,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds an FFN rank may leave /health unanswered before it counts "
         "as hung and is killed (and restarted)",
     )
+    add_log_flags(p)
     p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
+
+
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    """``--verbose`` / ``--log-dir``: where the roles' output goes."""
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every line of every role's log, prefixed [role] (default: "
+        "errors, AFD warnings and progress only; the full logs go to --log-dir)",
+    )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="directory for each role's full log, ROLE.log (default: a new "
+        "directory under the system's temporary directory, printed at start)",
+    )
+
+
+def console_and_logs(args: argparse.Namespace, who: str) -> tuple[TextSink, Path]:
+    """The console sink of the roles' output and their log directory (made
+    and printed here) for ``args``' ``--verbose`` and ``--log-dir``."""
+    log_dir = args.log_dir or new_log_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"vllm-afd {who}: role logs in {log_dir}", file=sys.stderr, flush=True)
+    console: TextSink = sys.stdout if args.verbose else ConsoleFilter(sys.stdout)
+    return console, log_dir
 
 
 def _non_negative_int(value: str) -> int:
@@ -226,7 +256,10 @@ def run_launch(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(dry_run(spec, only=args.node_rank), flush=True)
             return 0
-        deployment = Deployment(spec)
+        console, log_dir = console_and_logs(args, "launch")
+        deployment = Deployment(spec, log=console, log_dir=log_dir)
+        if deployment.budget.note:
+            print(f"vllm-afd launch: {deployment.budget.note}", file=sys.stderr)
     except (LaunchError, PlacementError) as exc:
         print(f"vllm-afd launch: {exc}", file=sys.stderr, flush=True)
         return 2

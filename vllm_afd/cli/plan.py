@@ -47,6 +47,7 @@ from vllm_afd.cli.plan_profile import (
 )
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError
+from vllm_afd.deploy.logs import new_log_dir
 from vllm_afd.deploy.spec import tensor_parallel_size
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import Topology
@@ -373,7 +374,7 @@ def check(
             continue
         _note(f"--check: starting {cand.name} (batch {pred.batch} per rank) ...")
         spec = _placed(base_spec, cand, gpus)
-        dep = Deployment(spec, log=log)
+        dep = Deployment(spec, log=log, log_dir=log.log_dir)
         dep.start(args.ready_timeout)
         try:
             step = _measured_step(dep.api_url, cand, context, pred.batch, args)
@@ -583,7 +584,8 @@ def run_plan(args: argparse.Namespace) -> int:
     key = cache_key(args, platform, where, phases)
     path = _cache_path(args, key)
     sink = open(args.server_log, "w") if args.server_log else None  # noqa: SIM115
-    log = LogWatch(sink, owned=True)
+    log = LogWatch(sink, owned=True, log_dir=new_log_dir())
+    _note(f"role logs in {log.log_dir}")
     spec = _spec(args, gpus)
     try:
         if path.is_file() and not args.no_cache:

@@ -38,6 +38,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from vllm_afd.cli.bench import LogTail, settled_counters
@@ -57,16 +58,21 @@ class LogWatch(LogTail):
     """The bench's log sink (last lines, the attention role's model split),
     also remembering each role's KV capacity."""
 
-    def __init__(self, also: IO[str] | None = None, owned: bool = False) -> None:
-        super().__init__(also, owned)
+    def __init__(
+        self,
+        also: IO[str] | None = None,
+        owned: bool = False,
+        log_dir: Path | None = None,
+    ) -> None:
+        super().__init__(also, owned, log_dir)
         self.kv_tokens: dict[str, int] = {}
 
-    def write(self, text: str) -> None:
+    def write(self, text: str) -> int:
         match = KV_LINE.search(text)
         if match:
             role = text.split("]", 1)[0].lstrip("[") if text.startswith("[") else ""
             self.kv_tokens[role] = int(match.group(1).replace(",", ""))
-        super().write(text)
+        return super().write(text)
 
     def kv_of(self, role: str) -> int | None:
         """The smallest KV capacity logged by a role whose prefix has ``role``."""
@@ -342,14 +348,14 @@ def _plain(spec: DeploymentSpec, tp: int, log: LogWatch) -> PlainServer:
     """Plain vLLM on ``spec``, with ``--tensor-parallel-size tp`` when > 1
     (on GPUs ``0 .. tp-1``)."""
     if tp == 1:
-        return PlainServer(spec, log=log)
+        return PlainServer(spec, log=log, log_dir=log.log_dir)
     tp_spec = dataclasses.replace(
         spec, vllm_args=[*spec.vllm_args, "--tensor-parallel-size", str(tp)]
     )
     if spec.attention_devices is not None:  # GPUs: the first tp of them
         gpus = ",".join(str(i) for i in range(tp))
         tp_spec = dataclasses.replace(tp_spec, attention_devices=gpus, ffn_devices=None)
-    server = PlainServer(tp_spec, log=log, name=_tp_name(tp))
+    server = PlainServer(tp_spec, log=log, name=_tp_name(tp), log_dir=log.log_dir)
     env = server.process.env
     if spec.attention_devices is None and BIND_ENV not in env:
         # vLLM's CPU workers bind per NUMA node, and refuse more workers
@@ -388,6 +394,7 @@ def _afd(
             spec, attention_ranks=ranks, ffn_ranks=1, ubatches=ubatches
         ),
         log=log,
+        log_dir=log.log_dir,
     )
     dep.start(spec.ready_timeout_s)
     try:

@@ -11,25 +11,26 @@ import sys
 from collections.abc import Sequence
 
 from vllm_afd.deploy import placement
+from vllm_afd.deploy.memory import (
+    MemoryBudget,
+    available_ram,
+    checkpoint_bytes,
+    cpu_budget,
+    gpu_budget,
+    gpu_total_bytes,
+    sets_memory,
+    user_env_sets_cpu_kv,
+)
 from vllm_afd.deploy.process import RoleProcess
-from vllm_afd.deploy.spec import DeploymentSpec, vllm_arg
+from vllm_afd.deploy.spec import DeploymentSpec, tensor_parallel_size, vllm_arg
 
 #: CPU work-around for vLLM 0.32.0's rotary kernel on DeepSeek (see docs).
 CPU_COMPILATION_CONFIG = '{"custom_ops":["all","-rotary_embedding"]}'
 
 
-def shared_gpu_memory_args(spec: DeploymentSpec, per_device: int) -> list[str]:
-    """``--gpu-memory-utilization`` for attention ranks that share a GPU: each
-    gets 0.9 / ranks-per-device, unless the arguments set it."""
-    given = [*spec.vllm_args, *spec.attention_args]
-    if per_device == 1 or vllm_arg(given, "--gpu-memory-utilization") is not None:
-        return []
-    return ["--gpu-memory-utilization", f"{0.9 / per_device:.2f}"]
-
-
-def wants_cpu_workaround(spec: DeploymentSpec) -> bool:
-    if any(a.startswith("--compilation-config") or a == "-cc" for a in spec.vllm_args):
-        return False
+def on_cpu(spec: DeploymentSpec) -> bool:
+    """Whether the roles run on CPU (``spec.cpu_workaround`` when set, else
+    no CUDA device visible to this process)."""
     if spec.cpu_workaround is not None:
         return spec.cpu_workaround
     try:
@@ -38,6 +39,55 @@ def wants_cpu_workaround(spec: DeploymentSpec) -> bool:
         return not torch.cuda.is_available()
     except ImportError:
         return True
+
+
+def memory_budget(spec: DeploymentSpec, node: int | None = None) -> MemoryBudget:
+    """How the role processes of ``node`` share its memory
+    (:mod:`vllm_afd.deploy.memory`): a CPU host's RAM, or a GPU that roles
+    or attention ranks share.
+
+    Raises:
+        MemoryBudgetError: they cannot share it; the message has the numbers.
+    """
+    node = spec.node_rank if node is None else node
+    place = spec.placement()
+    att_args = [*spec.vllm_args, *spec.attention_args]
+    ffn_args = [*spec.vllm_args, *spec.ffn_args]
+    attention = len(place.attention_ranks_on(node))
+    if on_cpu(spec):
+        if not attention or sets_memory(att_args) or user_env_sets_cpu_kv():
+            return MemoryBudget()
+        ffn = len(place.ffn_ranks_on(node)) * tensor_parallel_size(ffn_args)
+        return cpu_budget(
+            attention_workers=attention * tensor_parallel_size(att_args),
+            ffn_workers=ffn,
+            attention_servers=1,
+            weight_bytes=checkpoint_bytes(spec.model),
+            available=available_ram(),
+        )
+    per_device = spec.attention_ranks_per_device()
+    shared = spec.shared_gpus()
+    if not shared and per_device == 1:
+        return MemoryBudget()
+    _, ffn_devices = spec.role_devices()
+    ffn_here = [
+        k for k in place.ffn_ranks_on(node)
+        if shared and shared[0] in (ffn_devices[k] or "").split(",")
+    ]  # fmt: skip
+    return gpu_budget(
+        ffn_per_gpu=len(ffn_here),
+        attention_per_gpu=per_device if attention else 0,
+        weight_bytes=checkpoint_bytes(spec.model),
+        total=gpu_total_bytes(shared[0]) if shared and ffn_here else None,
+        attention_set=sets_memory(att_args),
+        ffn_set=sets_memory(ffn_args),
+    )
+
+
+def wants_cpu_workaround(spec: DeploymentSpec) -> bool:
+    if any(a.startswith("--compilation-config") or a == "-cc" for a in spec.vllm_args):
+        return False
+    return on_cpu(spec)
 
 
 def serve_argv(
@@ -79,7 +129,11 @@ def child_env(devices: str | None) -> dict[str, str]:
 
 
 def role_processes(
-    spec: DeploymentSpec, node: int | None = None, *, check_local: bool = True
+    spec: DeploymentSpec,
+    node: int | None = None,
+    *,
+    check_local: bool = True,
+    budget: MemoryBudget | None = None,
 ) -> list[RoleProcess]:
     """The processes of ``spec`` on ``node`` (default: the spec's node
     rank): FFN ranks first (FFN 0 hosts the rendezvous).
@@ -89,14 +143,17 @@ def role_processes(
     across hosts, one attention server per node that holds attention ranks
     (``Placement.attention_flags``), and every process gets its node's
     address and interface (``placement.node_env``; ``check_local``: that
-    address must be this host's).
+    address must be this host's). Each role gets its share of the node's
+    memory (``budget``, default :func:`memory_budget`).
 
     Raises:
         PlacementError: the placement is not valid, or (``check_local``)
             this node's address is not this host's.
+        MemoryBudgetError: the node's memory cannot hold its roles.
     """
     node = spec.node_rank if node is None else node
     place = spec.placement()
+    budget = memory_budget(spec, node) if budget is None else budget
     node_vars = (
         placement.node_env(place.hosts[node], check_local=check_local)
         if spec.multi_host
@@ -115,6 +172,7 @@ def role_processes(
         extra = ["--additional-config", json.dumps({"afd": afd})]
         name = "ffn" if spec.ffn_ranks == 1 else f"ffn{k}"
         host = api_host_of(spec, spec.ffn_args, node)
+        extra += budget.ffn_args
         argv = serve_argv(
             spec.model, ffn_port + k, extra + spec.ffn_args + common, host
         )
@@ -125,7 +183,7 @@ def role_processes(
     afd = spec.afd_config("attention")
     extra = ["--additional-config", json.dumps({"afd": afd})]
     extra += place.attention_flags(node, spec.dp_rpc_port or spec.afd_port + 2)
-    extra += shared_gpu_memory_args(spec, afd.get("attention_ranks_per_device", 1))
+    extra += budget.attention_args
     host = api_host_of(spec, spec.attention_args, node)
     argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common, host)
     env = {**child_env(attention_devices), **node_vars}

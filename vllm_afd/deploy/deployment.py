@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO
+from pathlib import Path
 
-from vllm_afd.deploy.commands import role_processes
+from vllm_afd.deploy.commands import memory_budget, role_processes
+from vllm_afd.deploy.logs import TextSink
 from vllm_afd.deploy.process import (
     STARTING_STOP_S,
     WILDCARD_HOSTS,
@@ -22,22 +23,38 @@ from vllm_afd.deploy.process import (
 )
 from vllm_afd.deploy.spec import DeploymentSpec
 
+#: seconds an FFN rank must run before its restarts in a row count from 0
 STABLE_S = 60.0
 #: the longest wait before restarting an FFN rank
 MAX_BACKOFF_S = 30.0
 #: seconds the launcher waits, once an attention process exited, for an FFN
 #: rank of its node to say the deployment was stopped (then no failure)
 STOP_NOTE_GRACE_S = 5.0
-#: seconds a role that is still starting gets to stop on SIGTERM (vLLM 0.32.0
 
 
 class Deployment:
-    """A running AFD deployment; use as a context manager."""
+    """A running AFD deployment; use as a context manager.
 
-    def __init__(self, spec: DeploymentSpec, log: IO[str] | None = sys.stdout) -> None:
+    ``log`` gets every role's output, each line prefixed ``[role]`` (a
+    :class:`~vllm_afd.deploy.logs.ConsoleFilter` shows a short console);
+    ``log_dir`` (when given) also keeps each role's full log in
+    ``log_dir/ROLE.log``, named in the error when a role exits.
+    """
+
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        log: TextSink | None = sys.stdout,
+        log_dir: Path | None = None,
+    ) -> None:
         self.spec = spec
         self.log = log
-        self.processes = role_processes(spec)
+        self.log_dir = log_dir
+        self.budget = memory_budget(spec)
+        self.processes = role_processes(spec, budget=self.budget)
+        if log_dir is not None:
+            for proc in self.processes:
+                proc.log_file = log_dir / f"{proc.name}.log"
         self.ready = False
 
     @property
@@ -129,9 +146,8 @@ class Deployment:
                 self._end_if_stopped(within=STOP_NOTE_GRACE_S, deaths=False)
                 self.stop()
                 raise LaunchError(
-                    f"the {proc.name} process exited with code {code}; an "
-                    "attention rank cannot rejoin a running deployment, so every "
-                    "role stops"
+                    f"{proc.exited(code)}; an attention rank cannot rejoin a "
+                    "running deployment, so every role stops"
                 )
         self._end_if_stopped()
         for proc in self.processes:
@@ -158,9 +174,7 @@ class Deployment:
                     if self.spec.ffn_restarts == 0
                     else f"it failed {proc.restarts} restarts in a row"
                 )
-                raise LaunchError(
-                    f"the {proc.name} process exited with code {code} and {why}"
-                )
+                raise LaunchError(f"{proc.exited(code)}; {why}")
             proc.restarts += 1
             delay = min(2.0 ** (proc.restarts - 1), MAX_BACKOFF_S)
             proc.restart_at = now + delay
@@ -230,7 +244,7 @@ class Deployment:
         if dead is not None:
             code = dead.exit_code()
             self.stop()
-            raise LaunchError(f"the {dead.name} process exited with code {code}")
+            raise LaunchError(dead.exited(code))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop every role. A ready deployment stops attention first (its

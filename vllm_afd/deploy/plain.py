@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO
+from pathlib import Path
 
 from vllm_afd.deploy.commands import (
     CPU_COMPILATION_CONFIG,
@@ -15,6 +15,7 @@ from vllm_afd.deploy.commands import (
     serve_argv,
     wants_cpu_workaround,
 )
+from vllm_afd.deploy.logs import TextSink
 from vllm_afd.deploy.process import LaunchError, RoleProcess
 from vllm_afd.deploy.spec import DeploymentSpec
 
@@ -25,9 +26,10 @@ class PlainServer:
     def __init__(
         self,
         spec: DeploymentSpec,
-        log: IO[str] | None = sys.stdout,
+        log: TextSink | None = sys.stdout,
         port: int | None = None,
         name: str = "plain",
+        log_dir: Path | None = None,
     ) -> None:
         common = list(spec.vllm_args)
         if wants_cpu_workaround(spec):
@@ -40,6 +42,8 @@ class PlainServer:
             child_env(spec.plain_devices()),
             host,
         )
+        if log_dir is not None:
+            self.process.log_file = log_dir / f"{name}.log"
         self.log = log
 
     @property
@@ -52,7 +56,7 @@ class PlainServer:
         while not self.process.healthy():
             code = self.process.exit_code()
             if code is not None:
-                raise LaunchError(f"plain vLLM exited with code {code}")
+                raise LaunchError(self.process.exited(code))
             if time.monotonic() > deadline:
                 self.stop()
                 raise LaunchError("timed out waiting for plain vLLM to become healthy")

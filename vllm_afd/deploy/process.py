@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from vllm_afd import envs
+from vllm_afd.deploy.logs import TextSink, is_exception_line
 
 
 class LaunchError(RuntimeError):
@@ -50,6 +51,10 @@ class RoleProcess:
     restart_at: float | None = None
     # FFN: the file (AFD_STOP_NOTE) where the role says why it stopped for good
     stop_note: str | None = None
+    # the role's full log (appended across restarts; None: console only) and
+    # the first exception line of its output since it last started
+    log_file: Path | None = None
+    first_error: str | None = None
 
     @property
     def is_ffn(self) -> bool:
@@ -60,9 +65,10 @@ class RoleProcess:
         """Where this machine reaches the server's API."""
         return f"http://{connect_host(self.host)}:{self.port}"
 
-    def start(self, log: IO[str] | None) -> None:
+    def start(self, log: TextSink | None) -> None:
         self.started_at = time.monotonic()
         self.healthy_since_start = False
+        self.first_error = None
         env = self.env
         if self.is_ffn:
             if self.stop_note is None:
@@ -78,11 +84,39 @@ class RoleProcess:
             start_new_session=True,
         )
         self._pump = threading.Thread(
-            target=_pump_lines,
-            args=(self.proc.stdout, f"[{self.name}] ", log),
-            daemon=True,
+            target=self._pump_lines, args=(self.proc.stdout, log), daemon=True
         )
         self._pump.start()
+
+    def _pump_lines(self, stream: IO[bytes], log: TextSink | None) -> None:
+        prefix = f"[{self.name}] "
+        file = None if self.log_file is None else self.log_file.open("a")
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace")
+                if self.first_error is None and is_exception_line(line):
+                    self.first_error = line.strip()
+                if file is not None:
+                    file.write(line)
+                    file.flush()
+                if log is not None:
+                    log.write(prefix + line)
+                    log.flush()
+        finally:
+            if file is not None:
+                file.close()
+
+    def exited(self, code: int | None) -> str:
+        """``the NAME process exited with code N``, then the first exception
+        line of its output (the cause) and where its full log is."""
+        text = f"the {self.name} process exited with code {code}"
+        if self._pump is not None:
+            self._pump.join(5.0)  # its last lines, the traceback among them
+        if self.first_error is not None:
+            text += f": {self.first_error}"
+        if self.log_file is not None:
+            text += f" (full log: {self.log_file})"
+        return text
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -205,10 +239,3 @@ def connect_host(bind_host: str) -> str:
 def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-
-
-def _pump_lines(stream: IO[bytes], prefix: str, log: IO[str] | None) -> None:
-    for raw in iter(stream.readline, b""):
-        if log is not None:
-            log.write(prefix + raw.decode(errors="replace"))
-            log.flush()

@@ -131,7 +131,7 @@ class DeploymentSpec:
                 f"--ffn-devices lists {len(ffn)} devices for {self.ffn_ranks} FFN "
                 "ranks; give every FFN rank the same number"
             )
-        shared = self._shared_gpus()
+        shared = self.shared_gpus()
         if shared and self.data_plane() == "nccl":
             raise LaunchError(
                 f"GPU {','.join(shared)} is in both --attention-devices and "
@@ -176,7 +176,7 @@ class DeploymentSpec:
         given = [d for role in (attention, *ffns) if role for d in role.split(",")]
         return ",".join(dict.fromkeys(given)) if given else None
 
-    def _shared_gpus(self) -> list[str]:
+    def shared_gpus(self) -> list[str]:
         attention = _device_list("--attention-devices", self.attention_devices)
         ffn = _device_list("--ffn-devices", self.ffn_devices)
         return [d for d in attention or () if d in (ffn or ())]
@@ -189,7 +189,7 @@ class DeploymentSpec:
         backend = (self.connector_extra_config or {}).get("backend", "auto")
         if backend == "auto":
             one_host = not self.multi_host
-            return "cuda_ipc" if one_host and self._shared_gpus() else "nccl"
+            return "cuda_ipc" if one_host and self.shared_gpus() else "nccl"
         return backend
 
     def _connector_extra(self) -> dict:

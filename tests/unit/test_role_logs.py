@@ -1,0 +1,88 @@
+"""Role logs: the cause of a failed start, a full log per role, a short console."""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+
+import pytest
+
+from vllm_afd.deploy import RoleProcess
+from vllm_afd.deploy.logs import ConsoleFilter, is_exception_line, shown_on_console
+
+#: what vLLM 0.32.0 printed when the attention role could not get its memory
+#: (shortened): the root cause first, then the generic wrappers
+VLLM_FAILURE = [
+    "(EngineCore pid=812) INFO 12-03 10:00:01 [core.py:99] Initializing",
+    "(Worker pid=840) ERROR 12-03 10:00:02 [multiproc_executor.py:1] WorkerProc "
+    "failed to start.",
+    "(Worker pid=840) Traceback (most recent call last):",
+    '(Worker pid=840)   File "cpu_worker.py", line 87, in __init__',
+    "(Worker pid=840) ValueError: Available memory on node 0 (20.93/23.54 GiB) on "
+    "startup is less than desired CPU memory utilization (0.92, 21.66 GiB).",
+    "(EngineCore pid=812) RuntimeError: WorkerProc initialization failed due to an "
+    "exception in a background process. See stack trace for root cause.",
+    "RuntimeError: Engine core initialization failed. See root cause above.",
+]
+
+
+def test_the_first_exception_line_is_the_cause_not_vllms_wrappers():
+    causes = [line for line in VLLM_FAILURE if is_exception_line(line)]
+    assert causes == [VLLM_FAILURE[4]]
+
+
+@pytest.mark.parametrize(
+    "line,shown",
+    [
+        ("(APIServer pid=1) INFO 12-03 [api_server.py:1] Starting vLLM", False),
+        ("(APIServer pid=1) WARNING 12-03 [cuda.py:2] Triton not found", False),
+        (
+            "(Worker pid=2) WARNING 12-03 [ffn_link.py:9] AFD attention rank 0: lost",
+            True,
+        ),
+        (
+            "(Worker pid=2) INFO 12-03 [connector.py:112] AFD connector up: role=ffn",
+            True,
+        ),
+        ("(Worker pid=2) ERROR 12-03 [core.py:1] EngineCore failed", True),
+        ("torch.OutOfMemoryError: CUDA out of memory", True),
+        ('INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK', False),
+    ],
+)
+def test_console_shows_errors_and_afd_lines_only(line, shown):
+    assert shown_on_console(line) is shown
+    out = io.StringIO()
+    ConsoleFilter(out).write(f"[attention] {line}\n")
+    assert (out.getvalue() != "") is shown
+
+
+FAILING = """
+import sys
+print("INFO starting", flush=True)
+print("Traceback (most recent call last):")
+print("ValueError: Available memory on node 0 is less than desired", flush=True)
+print("RuntimeError: Engine core initialization failed. See root cause above.")
+sys.exit(1)
+"""
+
+
+def test_a_role_that_exits_names_its_cause_and_its_full_log(tmp_path):
+    proc = RoleProcess(
+        "attention", [sys.executable, "-c", FAILING], 1, {}, log_file=tmp_path / "a.log"
+    )
+    console = io.StringIO()
+    proc.start(ConsoleFilter(console))
+    deadline = time.monotonic() + 30
+    while proc.exit_code() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = proc.exited(proc.exit_code())
+    assert text == (
+        "the attention process exited with code 1: ValueError: Available memory on "
+        f"node 0 is less than desired (full log: {tmp_path / 'a.log'})"
+    )
+    log = (tmp_path / "a.log").read_text()
+    assert "INFO starting" in log and "Engine core initialization failed" in log
+    # The console got the exception lines, not the INFO line.
+    assert "INFO starting" not in console.getvalue()
+    assert "[attention] ValueError: Available memory" in console.getvalue()

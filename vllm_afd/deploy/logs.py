@@ -1,0 +1,89 @@
+"""Where role processes' output goes: a full log file per role, a short console.
+
+Every line a role process prints is written, with its ``[role]`` prefix, to
+that role's file in the deployment's log directory (when it has one) and to
+the console sink. By default the console is a :class:`ConsoleFilter`: it lets
+through only what a person running ``vllm-afd launch`` needs (errors, the
+exception lines of tracebacks, AFD warnings and each role's AFD start-up
+line); ``--verbose`` passes the console everything, as vLLM prints it.
+
+A role that exits while it starts is reported by the first exception line
+of its own output (:func:`is_exception_line`: the root cause, e.g. vLLM's
+``ValueError: Available memory on node 0 ...``, not the generic
+``RuntimeError: Engine core initialization failed`` that follows it) and
+the path of its full log.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Protocol
+
+#: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, with vLLM's optional
+#: ``(EngineCore pid=12)`` process tag before it
+_EXCEPTION = re.compile(
+    r"^(\(\w+(?: \w+)? pid=\d+\)\s*)?"
+    r"(?P<exc>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)): \S"
+)
+#: vLLM's generic wrappers of a worker's or engine's real error: never the cause
+_GENERIC = (
+    "Engine core initialization failed",
+    "WorkerProc initialization failed",
+    "See stack trace for root cause",
+    "See root cause above",
+)
+
+
+def is_exception_line(line: str) -> bool:
+    """Whether ``line`` (without its role prefix) ends a traceback with an
+    exception's type and message, and is not one of vLLM's generic wrappers
+    that only point at the real error."""
+    text = line.strip()
+    return bool(_EXCEPTION.match(text)) and not any(g in text for g in _GENERIC)
+
+
+def shown_on_console(line: str) -> bool:
+    """Whether a role's log line (without its prefix) is shown by default:
+    errors, exception lines, AFD warnings and AFD start-up lines."""
+    if " ERROR " in line or is_exception_line(line):
+        return True
+    if "AFD" not in line:
+        return False
+    return " WARNING " in line or "AFD connector up" in line
+
+
+class TextSink(Protocol):
+    """Where role output goes: a text stream, a :class:`ConsoleFilter`, a
+    test's collector. Role pumps call it from their own threads."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+class ConsoleFilter:
+    """A text sink that passes to ``out`` only the role lines
+    :func:`shown_on_console` keeps (thread-safe: role pumps write at once)."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        body = text.split("] ", 1)[1] if text.startswith("[") else text
+        if shown_on_console(body):
+            with self._lock:
+                self.out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def new_log_dir() -> Path:
+    """A fresh directory for a deployment's role logs (under the system's
+    temporary directory)."""
+    return Path(tempfile.mkdtemp(prefix="vllm-afd-logs-"))

@@ -1,0 +1,229 @@
+"""What vLLM may take of a host (CPU) or a GPU that several role processes share.
+
+vLLM sizes every server as if it were alone: on CPU ``--gpu-memory-utilization``
+(0.92 there) of the node's RAM must be free when a worker starts, on CUDA 0.9 of
+the GPU. Two roles on one host would each ask for that, and the second fails
+(``ValueError: Available memory on node 0 (20.93/23.54 GiB) on startup is less
+than desired CPU memory utilization (0.92, 21.66 GiB)``). The launcher divides
+instead, unless the user set a size:
+
+* **CPU**: the FFN role holds no KV cache (it starts with a KV size of 0:
+  ``compat/engine_config.py``). Each attention worker gets
+  ``--kv-cache-memory-bytes`` = :data:`KV_SHARE` of what is left of the
+  host's available RAM once every role process of this node has its
+  :data:`CPU_PROCESS_BYTES` and the checkpoint's bytes, split over the
+  attention workers.
+* **CUDA**, roles sharing a GPU: each FFN rank gets the fraction its weights
+  need plus :data:`GPU_FFN_ACTIVATION_BYTES` (at least
+  :data:`MIN_GPU_FRACTION`); the attention ranks on that GPU share the rest of
+  vLLM's 0.9.
+
+A user's own ``--kv-cache-memory-bytes`` / ``--gpu-memory-utilization`` (or
+``VLLM_CPU_KVCACHE_SPACE``) for a role wins. A budget that cannot fit raises
+:class:`MemoryBudgetError` with the numbers, before anything starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_afd.deploy.process import LaunchError
+
+GiB = 1 << 30
+MiB = 1 << 20
+#: RAM of one role process tree on CPU beside its weights and KV cache (API
+#: server, engine core, worker; ~3 GB measured for a 5M-parameter model)
+CPU_PROCESS_BYTES = 3 * GiB
+#: the share of the RAM left that the attention workers' KV caches take
+KV_SHARE = 0.8
+#: the smallest KV cache per attention worker the launcher starts with
+MIN_KV_BYTES = 256 * MiB
+#: vLLM's default --gpu-memory-utilization on CUDA
+GPU_UTILIZATION = 0.9
+#: GPU memory of an FFN rank beside its weights (activations, CUDA graphs)
+GPU_FFN_ACTIVATION_BYTES = 2 * GiB
+#: the smallest fraction of a GPU the launcher gives a role process
+MIN_GPU_FRACTION = 0.05
+#: the flags that size vLLM's memory: set by the user, they win
+MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+
+
+class MemoryBudgetError(LaunchError):
+    """The role processes of this node cannot share its memory as asked."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """vLLM arguments the launcher adds to each role of this node (empty: the
+    role keeps vLLM's default or the user's setting), and one line saying why."""
+
+    attention_args: tuple[str, ...] = ()
+    ffn_args: tuple[str, ...] = ()
+    note: str = ""
+
+
+def sets_memory(args: Sequence[str]) -> bool:
+    """Whether vLLM arguments ``args`` size the memory themselves."""
+    return any(arg.partition("=")[0] in MEMORY_FLAGS for arg in args)
+
+
+def checkpoint_bytes(model: str) -> int:
+    """Bytes of the weight files of a local checkpoint directory (0 when
+    ``model`` is no local directory: a hub name)."""
+    root = Path(model)
+    if not root.is_dir():
+        return 0
+    files = [*root.glob("*.safetensors"), *root.glob("*.bin"), *root.glob("*.pt")]
+    return sum(f.stat().st_size for f in files)
+
+
+def available_ram() -> int:
+    """``MemAvailable`` of this host in bytes.
+
+    Raises:
+        MemoryBudgetError: ``/proc/meminfo`` cannot be read.
+    """
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError) as e:
+        raise MemoryBudgetError(f"cannot read /proc/meminfo: {e}") from e
+    raise MemoryBudgetError("/proc/meminfo has no MemAvailable line")
+
+
+def gpu_total_bytes(device: str) -> int | None:
+    """Memory of GPU ``device`` (an index or UUID) from ``nvidia-smi``; None
+    when it cannot tell."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+             "-i", device],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+        return int(out.split()[0]) * MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def cpu_budget(
+    *,
+    attention_workers: int,
+    ffn_workers: int,
+    attention_servers: int,
+    weight_bytes: int,
+    available: int,
+) -> MemoryBudget:
+    """The KV cache of each attention worker of a CPU host.
+
+    Args:
+        attention_workers: attention workers on this host (ranks x TP).
+        ffn_workers: FFN workers on this host (ranks x TP).
+        attention_servers: attention role processes of this host (0 or 1).
+        weight_bytes: the checkpoint's weight bytes (each role process is
+            counted as holding all of them: an upper bound).
+        available: the host's available RAM.
+
+    Raises:
+        MemoryBudgetError: less than :data:`MIN_KV_BYTES` per attention worker.
+    """
+    if attention_workers == 0:
+        return MemoryBudget()
+    servers = attention_servers + ffn_workers
+    reserved = CPU_PROCESS_BYTES * (attention_workers + ffn_workers)
+    reserved += weight_bytes * servers
+    left = available - reserved
+    per_worker = int(left * KV_SHARE / attention_workers) // MiB * MiB
+    workers = attention_workers + ffn_workers
+    numbers = (
+        f"{available / GiB:.1f} GiB of RAM available; {workers} role worker(s) "
+        f"need ~{reserved / GiB:.1f} GiB beside the KV cache "
+        f"({CPU_PROCESS_BYTES / GiB:.0f} GiB each and {weight_bytes / GiB:.2f} "
+        "GiB of weights per role process)"
+    )
+    if per_worker < MIN_KV_BYTES:
+        raise MemoryBudgetError(
+            f"this host cannot hold the role processes asked for: {numbers}, "
+            f"which leaves {max(per_worker, 0) / MiB:.0f} MiB of KV cache per "
+            f"attention worker (at least {MIN_KV_BYTES / MiB:.0f} MiB); run fewer "
+            "ranks on this host, or give the attention role a KV cache size "
+            "yourself (--attention-args '--kv-cache-memory-bytes 1G')"
+        )
+    return MemoryBudget(
+        attention_args=("--kv-cache-memory-bytes", str(per_worker)),
+        note=f"memory: {numbers}: KV cache {per_worker / GiB:.2f} GiB per "
+        "attention worker (--kv-cache-memory-bytes; set it to choose)",
+    )
+
+
+def gpu_budget(
+    *,
+    ffn_per_gpu: int,
+    attention_per_gpu: int,
+    weight_bytes: int,
+    total: int | None,
+    attention_set: bool,
+    ffn_set: bool,
+) -> MemoryBudget:
+    """``--gpu-memory-utilization`` of the roles sharing one GPU.
+
+    Args:
+        ffn_per_gpu: FFN ranks on the shared GPU.
+        attention_per_gpu: attention ranks on the shared GPU.
+        weight_bytes: the checkpoint's weight bytes (an FFN rank is counted
+            as holding all of them: an upper bound).
+        total: the GPU's memory (None: unknown; FFN ranks then get
+            :data:`MIN_GPU_FRACTION` x 2).
+        attention_set, ffn_set: the user sized that role's memory (it keeps
+            its setting, and the other role is sized around vLLM's default).
+
+    Raises:
+        MemoryBudgetError: the FFN ranks' weights leave the attention ranks
+            less than :data:`MIN_GPU_FRACTION` each.
+    """
+    if total:
+        need = (weight_bytes + GPU_FFN_ACTIVATION_BYTES) / total
+        ffn = max(math.ceil(need * 100) / 100, MIN_GPU_FRACTION)
+    else:
+        ffn = 2 * MIN_GPU_FRACTION
+    ffn_total = ffn * ffn_per_gpu if ffn_per_gpu else 0.0
+    per_rank = (GPU_UTILIZATION - ffn_total) / max(attention_per_gpu, 1)
+    per_rank = math.floor(per_rank * 100) / 100
+    if attention_per_gpu and per_rank < MIN_GPU_FRACTION and not attention_set:
+        raise MemoryBudgetError(
+            f"one GPU cannot hold {ffn_per_gpu} FFN rank(s) of "
+            f"{weight_bytes / GiB:.1f} GiB of weights (each "
+            f"--gpu-memory-utilization {ffn:.2f}) and {attention_per_gpu} "
+            f"attention rank(s): {max(per_rank, 0):.2f} of the GPU is left for "
+            "each attention rank; put the roles on separate GPUs "
+            "(--attention-devices / --ffn-devices) or size them yourself"
+        )
+    att_args: tuple[str, ...] = ()
+    if attention_per_gpu and not attention_set:
+        att_args = ("--gpu-memory-utilization", f"{per_rank:.2f}")
+    ffn_args: tuple[str, ...] = ()
+    if ffn_per_gpu and not ffn_set:
+        ffn_args = ("--gpu-memory-utilization", f"{ffn:.2f}")
+    given = [
+        f"{name} {args[1]}"
+        for name, args in (
+            ("each attention rank", att_args),
+            ("each FFN rank", ffn_args),
+        )
+        if args
+    ]
+    note = f"memory: roles share a GPU: --gpu-memory-utilization {', '.join(given)}"
+    return MemoryBudget(att_args, ffn_args, note if given else "")
+
+
+def user_env_sets_cpu_kv(env: Mapping[str, str] = os.environ) -> bool:
+    """``VLLM_CPU_KVCACHE_SPACE`` (vLLM's legacy CPU KV size) is set."""
+    return bool(env.get("VLLM_CPU_KVCACHE_SPACE"))
