@@ -12,17 +12,20 @@ demo: setup
 test: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
+	.venv/bin/mypy vllm_afd
 	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30
 
-# A few minutes: lint, unit and connector tests (no vLLM servers).
+# A few minutes: lint, types, unit and connector tests (no vLLM servers).
 test-fast: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
+	.venv/bin/mypy vllm_afd
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/connector
 
 lint: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
+	.venv/bin/mypy vllm_afd
 
 bench-connector: setup
 	.venv/bin/python tools/bench_connector.py

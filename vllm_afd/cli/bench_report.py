@@ -276,7 +276,7 @@ def counter_figures(
         for rank in _ranks(delta, role):
             n = get("afd_steps", role, rank)
             # FFN ranks count tokens; attention ranks' tokens follow from bytes.
-            tokens = (
+            rank_tokens = (
                 get("afd_ffn_tokens", role, rank)
                 if role == "ffn"
                 else _per(get("afd_a2f_bytes", role, rank), per_token)
@@ -288,8 +288,8 @@ def counter_figures(
                     "rank": int(rank or 0),
                     "steps": n,
                     "batch_tokens_per_step": None
-                    if tokens is None
-                    else _per(tokens, n),
+                    if rank_tokens is None
+                    else _per(rank_tokens, n),
                     "a2f_bytes_per_step": _per(get("afd_a2f_bytes", role, rank), n),
                     "f2a_bytes_per_step": _per(get("afd_f2a_bytes", role, rank), n),
                     "connector_wait_ms_per_step": _per(

@@ -474,8 +474,10 @@ def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
                 style = "-o" if m == 1 else "--s"
                 ax.plot(xs, ys, style, label=f"context {c}, m={m}")
                 for r, y in zip(xs, ys, strict=True):
+                    cand = best[r].candidate
+                    assert cand is not None  # rows are AFD deployments
                     ax.annotate(
-                        dataclasses.replace(best[r].candidate, ubatches=1).name,
+                        dataclasses.replace(cand, ubatches=1).name,
                         (r, y),
                         fontsize=6,
                         textcoords="offset points",

@@ -469,7 +469,8 @@ def make_plan(
 ) -> Plan:
     """Predict every deployment that fits ``devices``; recommend the one with
     the most tokens/s per device, averaged over ``contexts``."""
-    rows, unfit, score = [], [], {}
+    rows, unfit = [], []
+    score: dict[str, list[Prediction]] = {}  # per deployment, its best per context
     if profile.shared_cores and not profile.ubatching:
         max_ubatches = 1  # U not measured: no micro-batches to predict
     for cand in candidates(devices, max_ubatches):
@@ -494,6 +495,7 @@ def make_plan(
                     tuple(unfit))  # fmt: skip
     pick = max(full, key=lambda k: _mean(p.tokens_per_s_per_device for p in full[k]))
     best = max(full[pick], key=lambda p: p.tokens_per_s_per_device)
+    assert best.bound is not None  # predict() bounds every deployment
     base = [p.tokens_per_s_per_device for p in baselines.values() if p]
     ratio = _mean(p.tokens_per_s_per_device for p in full[pick]) / _mean(base)
     reason = f"{REASONS[best.bound]}; {ratio:.2f}x colocated per device" if base else (

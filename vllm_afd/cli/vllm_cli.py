@@ -30,10 +30,10 @@ def installed_vllm_version() -> str:
 def run_vllm_cli(argv: list[str]) -> None:
     """Run ``vllm ARGV…`` in this process."""
 
-    def version(name: str) -> str:
-        if name == "vllm":
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
             return installed_vllm_version()
-        return _original_version(name)
+        return _original_version(distribution_name)
 
     metadata.version = version
     sys.argv = ["vllm", *argv]

@@ -395,6 +395,7 @@ class AFDConnector(ConnectorCore):
     ) -> tuple[A2FBatch, list[tuple[int, list]], int]:
         """Buffers and per-peer slices of one ubatch, built once per step."""
         m = self._merged
+        assert m is not None  # set with the step's tokens, which _planned found
         hidden = self._buffer("a2f", ubatch_idx, (total, self._hidden), self._dtype)
         bufs = [(hidden, _HIDDEN)]
         routing = None
@@ -406,8 +407,8 @@ class AFDConnector(ConnectorCore):
             bufs += [(w, _TOPK_W), (ids, _TOPK_IDS)]
         targets = []
         for i, peer in enumerate(self._peers):
-            n = m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
-            off = m.offsets[i][ubatch_idx]  # type: ignore[union-attr]
+            n = m.peer_tokens[i][ubatch_idx]
+            off = m.offsets[i][ubatch_idx]
             if n == total:
                 targets.append((peer, bufs))  # the only peer with tokens
             elif n:
@@ -444,10 +445,11 @@ class AFDConnector(ConnectorCore):
     def _f2a_slices(self, ubatch_idx: int, total: int) -> list[tuple[int, int, int]]:
         """(peer, offset, tokens) of each peer with tokens in ``ubatch_idx``."""
         m = self._merged
+        assert m is not None  # set with the step's tokens, which _planned found
         slices = [
-            (peer, m.offsets[i][ubatch_idx], m.peer_tokens[i][ubatch_idx])  # type: ignore[union-attr]
+            (peer, m.offsets[i][ubatch_idx], m.peer_tokens[i][ubatch_idx])
             for i, peer in enumerate(self._peers)
-            if m.peer_tokens[i][ubatch_idx]  # type: ignore[union-attr]
+            if m.peer_tokens[i][ubatch_idx]
         ]
         self._f2a_plan[ubatch_idx] = slices
         return slices

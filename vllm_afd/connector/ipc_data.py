@@ -148,10 +148,14 @@ class _Kept:
         self, device: torch.device, peers: int, lay: layout.Layout | None
     ) -> None:
         # torch.zeros: every flag starts at 0 (nothing sent yet)
-        self.buffers = [
-            torch.zeros(lay.nbytes, dtype=torch.uint8, device=device)
-            for _ in range(peers if lay is not None else 0)
-        ]
+        self.buffers = (
+            []
+            if lay is None
+            else [
+                torch.zeros(lay.nbytes, dtype=torch.uint8, device=device)
+                for _ in range(peers)
+            ]
+        )
         self.busy = True  # a plane uses it
         slots = layout.KINDS * 8
         # [peer, 0 = sent / 1 = seen, slot]

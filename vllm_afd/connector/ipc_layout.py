@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,10 +165,10 @@ def this_host() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def mps_active(env: dict[str, str] | None = None) -> bool:
+def mps_active(env: Mapping[str, str] | None = None) -> bool:
     """An MPS control daemon is running for this process's pipe directory."""
-    env = os.environ if env is None else env
-    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    environ = os.environ if env is None else env
+    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
     return os.path.exists(os.path.join(pipe, "control"))
 
 

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import select
+import socket
 import threading
 import time
 from collections import deque
@@ -179,7 +180,11 @@ class P2PControlPlane(ControlPlane):
         def watch() -> None:
             ch = self._channels[0]
             while not self._closed:
-                socks = [self._wake_r, ch.sock, *(m.sock for m in self._members)]
+                socks: list[int | socket.socket] = [
+                    self._wake_r,
+                    ch.sock,
+                    *(m.sock for m in self._members),
+                ]
                 try:
                     ready, _, _ = select.select(socks, [], [], period)
                 except (OSError, ValueError):
@@ -247,9 +252,10 @@ class P2PControlPlane(ControlPlane):
                         "exited or was killed) while this ffn rank waited for its "
                         "next step plan"
                     )
-            if all(p is not None for p in plans):
-                _note_served(plans)  # type: ignore[arg-type]
-                return plans  # type: ignore[return-value]
+            received = [p for p in plans if p is not None]
+            if len(received) == len(plans):
+                _note_served(received)
+                return received
             timeout = None
             if first_at is not None:
                 first = next(p for p in plans if p is not None)
@@ -270,18 +276,18 @@ class P2PControlPlane(ControlPlane):
             if (left := self._member_left()) is not None:
                 self.reform = left
                 return None
+            watched: list[int | Channel] = [self._wake_r, *waiting, *self._members]
             try:
-                ready, _, _ = select.select(
-                    [self._wake_r, *waiting, *self._members], [], [], timeout
-                )
+                ready, _, _ = select.select(watched, [], [], timeout)
             except (OSError, ValueError):
                 if self._closed:
                     return None
                 raise
             if self._wake_r in ready or self._closed:
                 return None
-            for ch in ready:
-                ch.fill()
+            for r in ready:
+                if isinstance(r, Channel):  # every one: a ready wake-up pipe returned
+                    r.fill()
 
     def rejoin_after_failure(self) -> str | None:
         """A step failed mid-way: the session re-forms unless a served
@@ -311,8 +317,9 @@ class P2PControlPlane(ControlPlane):
             left = deadline - time.monotonic()
             if not connected or left <= 0 or self._closed:
                 break
+            watched: list[int | Channel] = [self._wake_r, *connected]
             try:
-                ready, _, _ = select.select([self._wake_r, *connected], [], [], left)
+                ready, _, _ = select.select(watched, [], [], left)
             except (OSError, ValueError):
                 return None
             if self._wake_r in ready:

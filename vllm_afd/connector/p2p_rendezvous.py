@@ -40,6 +40,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_afd.connector import auth, protocol
 from vllm_afd.connector.control import SetupFn
@@ -105,10 +106,12 @@ def _reject_all(chans: list[Channel], reason: str, fields: list[str]) -> None:
 
 
 def _check_hello(
-    msg: dict, topo: Topology, fp: Fingerprint, seen: dict
+    msg: dict[str, Any], topo: Topology, fp: Fingerprint, seen: dict
 ) -> tuple[tuple[AFDRole, int], str | None, list[str]]:
     """(endpoint, reason to reject or None, differing fields)."""
-    role, rank = msg.get("role"), msg.get("role_rank")
+    # unchecked wire values: AFDRole() and int() below refuse bad ones
+    role: Any = msg.get("role")
+    rank: Any = msg.get("role_rank")
     if msg.get("version") != PROTOCOL_VERSION:
         who = f"{role} rank {rank}"
         return (
@@ -278,24 +281,24 @@ def serve(
             progress.tick(f"listening on {host}:{port}, waiting for {missing}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(expected - set(seen))
-                names = ", ".join(_name(*k) for k in missing)
-                reason = (
+                names = ", ".join(_name(*k) for k in sorted(expected - set(seen)))
+                timed_out = (
                     f"timed out after {connect_timeout_s}s waiting for {names} "
                     f"to connect to {host}:{port}"
                 )
-                _reject_all(list(seen.values()) + fresh, reason, [])
-                raise AFDTimeoutError(reason)
+                _reject_all(list(seen.values()) + fresh, timed_out, [])
+                raise AFDTimeoutError(timed_out)
             wait = min(remaining, progress.due() or remaining)
-            ready, _, _ = select.select([listener, *fresh], [], [], wait)
+            watched: list[socket.socket | Channel] = [listener, *fresh]
+            ready, _, _ = select.select(watched, [], [], wait)
             for r in ready:
-                if r is listener:
+                if not isinstance(r, Channel):  # the listener
                     sock, addr = listener.accept()
-                    ch = Channel(sock, f"the connection from {addr[0]}:{addr[1]}")
-                    if _welcome(ch, secret):
-                        fresh.append(ch)
+                    new = Channel(sock, f"the connection from {addr[0]}:{addr[1]}")
+                    if _welcome(new, secret):
+                        fresh.append(new)
                     continue
-                ch: Channel = r  # type: ignore[assignment]
+                ch = r
                 try:
                     ch.fill()
                 except AFDProtocolError:

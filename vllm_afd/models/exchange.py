@@ -35,26 +35,74 @@ their first layer.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from vllm_afd.connector.payloads import Routing
+from vllm_afd.connector.payloads import RecvHandle, Routing, SendHandle
 from vllm_afd.connector.protocol import ExecMode, StepPlan
 from vllm_afd.errors import AFDConnectorError, AFDError
 
 
-class AttentionExchange:
-    """Per-process state: the connector, the step counter, the TP group."""
+class ExchangeConnector(Protocol):
+    """What the exchange needs of an attention connector (the facade,
+    ``connector.AFDConnector``)."""
+
+    def send_plan(self, plan: StepPlan) -> None: ...
+
+    def send_a2f(
+        self,
+        layer_idx: int,
+        ubatch_idx: int,
+        hidden: torch.Tensor,
+        routing: Routing | None = None,
+    ) -> SendHandle: ...
+
+    def irecv_f2a(
+        self, layer_idx: int, ubatch_idx: int, out: torch.Tensor | None = None
+    ) -> RecvHandle: ...
+
+
+C = TypeVar("C", bound=ExchangeConnector)
+C_co = TypeVar("C_co", bound=ExchangeConnector, covariant=True)
+
+
+class ExchangeLink(Protocol[C_co]):
+    """What the exchange needs of an FFN link (``worker.ffn_link.FFNLink``)."""
+
+    @property
+    def connector(self) -> C_co | None: ...
+
+    def begin_step(self) -> None: ...
+
+    def unavailable_because(self) -> str: ...
+
+    def lost(self, why: str) -> None: ...
+
+
+class MicroBatchSwitch(Protocol):
+    """What the exchange needs of a micro-batch switch
+    (``worker.ubatching.UBatchSwitch``)."""
+
+    def active(self) -> bool: ...
+
+    def index(self) -> int: ...
+
+    def yield_(self) -> None: ...
+
+
+class AttentionExchange(Generic[C]):
+    """Per-process state: the connector, the step counter, the TP group
+    (vLLM's ``GroupCoordinator``; None without attention tensor parallelism)."""
 
     def __init__(
         self,
-        connector: Any | None,
+        connector: C | None,
         tp_group: Any | None = None,
-        on_step: Any | None = None,
-        switch: Any | None = None,
-        link: Any | None = None,
+        on_step: Callable[[StepPlan], None] | None = None,
+        switch: MicroBatchSwitch | None = None,
+        link: ExchangeLink[C] | None = None,
     ) -> None:
         # The connector of the current step (the link's, when there is one).
         self.connector = connector if link is None else link.connector
@@ -114,10 +162,11 @@ class AttentionExchange:
         In a micro-batched step every micro-batch runs the forward on its
         slice; the first one announces the whole step with the staged split.
         """
-        if self.switch is None or not self.switch.active():
+        switch = self.switch
+        if switch is None or not switch.active():
             self.begin_step(num_tokens, mode)
             return
-        if self.switch.index() != 0:
+        if switch.index() != 0:
             return
         staged, self._staged = self._staged, None
         if staged is None or staged[0] != num_tokens:
@@ -141,9 +190,12 @@ class AttentionExchange:
         # capture the receive lands in the graph's memory pool.
         out = _output_like(hidden, parts)
         if self.is_endpoint:
-            ubatched = self.switch is not None and self.switch.active()
-            ubatch = self.switch.index() if ubatched else 0
-            sent = received = None
+            switch = self.switch
+            if switch is not None and not switch.active():
+                switch = None  # this forward runs no micro-batches
+            ubatch = switch.index() if switch is not None else 0
+            sent: SendHandle | None = None
+            received: RecvHandle | None = None
             if self.connector is not None:
                 try:
                     sent = self.connector.send_a2f(
@@ -152,15 +204,15 @@ class AttentionExchange:
                     received = self.connector.irecv_f2a(layer_idx, ubatch, out=out)
                 except AFDError as e:
                     self._lost(e)
-            if ubatched:
+            if switch is not None:
                 # The next micro-batch computes while this one is away. The
                 # transfers are issued in the order the FFN serves them, layer
                 # by layer and micro-batch by micro-batch.
-                self.switch.yield_()
+                switch.yield_()
             if received is not None and self.connector is not None:
                 try:
                     received.wait()
-                    if hidden.is_cuda:
+                    if hidden.is_cuda and sent is not None:  # set with received
                         # Join the send's stream back now (a stream wait, no
                         # host wait; the receive completes after the send
                         # anyway): a send left pending would be joined at the
@@ -205,16 +257,16 @@ def forward_mode(positions: torch.Tensor) -> ExecMode:
     return ExecMode.EAGER
 
 
-_current: AttentionExchange | None = None
+_current: AttentionExchange[Any] | None = None
 
 
-def install_exchange(exchange: AttentionExchange | None) -> None:
+def install_exchange(exchange: AttentionExchange[Any] | None) -> None:
     """Make ``exchange`` the process's exchange (None removes it)."""
     global _current
     _current = exchange
 
 
-def current_exchange() -> AttentionExchange:
+def current_exchange() -> AttentionExchange[Any]:
     if _current is None:
         raise AFDConnectorError(
             "the AFD attention model ran without a connector: before the "

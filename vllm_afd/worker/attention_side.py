@@ -15,6 +15,7 @@ from vllm_afd.compat import dp_vote
 from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.config import afd_config_of
 from vllm_afd.connector import factory
+from vllm_afd.connector.connector import AFDConnector
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDError, AFDFFNUnavailable
 from vllm_afd.models.exchange import (
@@ -28,7 +29,7 @@ from vllm_afd.serving import ffn_status
 from vllm_afd.serving.ffn_status import LinkState
 from vllm_afd.worker.endpoint import Endpoint, open_endpoint
 from vllm_afd.worker.ffn_link import FFNLink
-from vllm_afd.worker.metrics import endpoint_publisher
+from vllm_afd.worker.metrics import StatsSource, endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
 from vllm_afd.worker.runner_base import AFDRunnerMixin
 from vllm_afd.worker.ubatching import UBatchSwitch, ubatch_token_counts
@@ -74,7 +75,9 @@ def stop_engine_on_lost_peer(message: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def checked_output(output: Any, connector: Any, link: FFNLink | None = None) -> Any:
+def checked_output(
+    output: Any, connector: AFDConnector, link: FFNLink[AFDConnector] | None = None
+) -> Any:
     """``output`` of a CUDA step, which reaches the scheduler only after the
     connector's device-side checks of that step passed (cuda_ipc: a timed-out,
     aborted or desynchronised exchange raises instead of sampling garbage).
@@ -161,28 +164,24 @@ class AttentionSideMixin(AFDRunnerMixin):
     """Opens the connector after load_model and installs the exchange the
     model's proxies call. Mixed in before a native model runner."""
 
-    afd_link: FFNLink | None = None
-    afd_exchange: AttentionExchange | None = None
+    afd_link: FFNLink[AFDConnector] | None = None
+    afd_exchange: AttentionExchange[AFDConnector] | None = None
 
     def afd_start(self) -> None:
-        afd = afd_config_of(self.vllm_config)  # type: ignore[attr-defined]
-        split = self.model.afd_split  # type: ignore[attr-defined]
-        warn_if_not_bit_exact(self.vllm_config, split)  # type: ignore[attr-defined]
-        endpoint = open_endpoint(
-            self.vllm_config,  # type: ignore[attr-defined]
-            afd,
-            split,
-            self.device,  # type: ignore[attr-defined]
-        )
+        afd = afd_config_of(self.vllm_config)
+        split = self.model.afd_split
+        warn_if_not_bit_exact(self.vllm_config, split)
+        endpoint = open_endpoint(self.vllm_config, afd, split, self.device)
         self.afd_endpoint = endpoint
         link = None
         if endpoint.connector is not None:
             connector = endpoint.connector
+            stats_of: StatsSource
             if connector.device.type == "cuda" and not connector.bounded_wait:
                 connector.watch_peers(stop_engine_on_lost_peer)
                 stats_of = connector
             else:
-                link = self.afd_link = open_link(self.vllm_config, endpoint)  # type: ignore[attr-defined]
+                link = self.afd_link = open_link(self.vllm_config, endpoint)
                 stats_of = link
             self.afd_metrics = endpoint_publisher(
                 "attention", endpoint.role_rank, stats_of, link=link
@@ -207,18 +206,19 @@ class AttentionSideMixin(AFDRunnerMixin):
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         link = self.afd_link
         if link is None:
-            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
         exchange = self.afd_exchange
+        assert exchange is not None  # afd_start installs it with the link
         with link.step():
             exchange.failure = None
-            output = super().execute_model(*args, **kwargs)  # type: ignore[misc]
+            output = super().execute_model(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
         if output is not None and exchange.failure is not None:
             failure, exchange.failure = exchange.failure, None
             raise AFDFFNUnavailable(failure)
         return output  # None: sample_tokens follows
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
         exchange = self.afd_exchange
         if exchange is not None and exchange.failure is not None:
             failure, exchange.failure = exchange.failure, None
@@ -232,12 +232,14 @@ class AttentionSideMixin(AFDRunnerMixin):
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
         link = self.afd_link
         if link is None:
-            return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]
+            return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
+        exchange = self.afd_exchange
+        assert exchange is not None  # afd_start installs it with the link
         with link.step():
             try:
-                return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]
+                return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
             finally:
-                self.afd_exchange.failure = None  # no request to fail
+                exchange.failure = None  # no request to fail
 
     def afd_close(self) -> None:
         install_exchange(None)
@@ -249,16 +251,16 @@ class AttentionSideMixin(AFDRunnerMixin):
         super().afd_close()
 
 
-def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink:
+def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink[AFDConnector]:
     """The FFN link of this attention rank over its started connector; it
     publishes its state for this server's API (``serving.ffn_status``)."""
-    afd, rank = endpoint.afd, endpoint.role_rank
+    afd, rank, first = endpoint.afd, endpoint.role_rank, endpoint.connector
+    assert first is not None  # only an endpoint with a connector opens a link
     server_pid = envs.server_pid()
 
-    def reconnect() -> Any:
+    def reconnect() -> AFDConnector:
         connector = factory.create_connector(
-            afd, rank, endpoint.fingerprint, endpoint.connector.device,
-            endpoint.limits,
+            afd, rank, endpoint.fingerprint, first.device, endpoint.limits,
         )  # fmt: skip
         connector.start()
         return connector
@@ -271,7 +273,7 @@ def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink:
     # vLLM's per-forward DP coordination (``compat.dp_vote``).
     aligned = vllm_config.parallel_config.data_parallel_size > 1
     link = FFNLink(
-        endpoint.connector,
+        first,
         reconnect,
         attention_rank=rank,
         ffn_rank=endpoint.topology.ffn_peer(rank),

@@ -18,6 +18,7 @@ import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_afd.connector.payloads import A2FBatch
 from vllm_afd.worker.cuda_attention import require_v2_runner
 from vllm_afd.worker.ffn_graphs import CudaStepGraphs
 from vllm_afd.worker.ffn_side import FFNSideMixin, FFNWorkerMixin
@@ -31,7 +32,7 @@ class AFDFFNModelRunner(FFNSideMixin, GPUModelRunner):
         # The step graphs mirror the attention role's CUDA graphs.
         return CudaStepGraphs(self.device)
 
-    def _afd_compute(self, layer_idx: int, batch: Any) -> torch.Tensor:
+    def _afd_compute(self, layer_idx: int, batch: A2FBatch) -> torch.Tensor:
         # The loop runs on its own thread, whose current CUDA device is not
         # inherited from the thread that set up the worker.
         with torch.cuda.device(self.device):

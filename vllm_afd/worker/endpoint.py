@@ -10,7 +10,6 @@ factory and starts it (rendezvous + handshake, bounded by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from vllm.config import VllmConfig
@@ -19,6 +18,7 @@ from vllm.logger import init_logger
 
 from vllm_afd.config import AFDConfig
 from vllm_afd.connector import factory
+from vllm_afd.connector.connector import AFDConnector
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint
 from vllm_afd.models.layout import ModelSplit
 from vllm_afd.topology import Topology, endpoint_rank
@@ -39,7 +39,7 @@ class Endpoint:
     role_rank: int
     tp_rank: int
     fingerprint: Fingerprint
-    connector: Any | None
+    connector: AFDConnector | None
     #: what sized the connector's buffers (a rejoin builds the same)
     limits: factory.ExchangeLimits = factory.ExchangeLimits()
 

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import astuple
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from vllm.logger import init_logger
 
@@ -61,8 +61,11 @@ class AttentionEndpoint(Protocol):
     def close(self, reason: str | None = None) -> None: ...
 
 
-class FFNLink:
-    """The current connector of one attention rank, replaced when lost.
+C = TypeVar("C", bound=AttentionEndpoint)
+
+
+class FFNLink(Generic[C]):
+    """The current connector (a ``C``) of one attention rank, replaced when lost.
 
     Args:
         connector: the started connector.
@@ -77,18 +80,18 @@ class FFNLink:
 
     def __init__(
         self,
-        connector: AttentionEndpoint,
-        reconnect: Callable[[], AttentionEndpoint],
+        connector: C,
+        reconnect: Callable[[], C],
         *,
         attention_rank: int,
         ffn_rank: int,
         publish: Callable[[LinkState], None] | None = None,
         aligned: bool = False,
     ) -> None:
-        self._connector: AttentionEndpoint | None = connector
+        self._connector: C | None = connector
         self._aligned = aligned
         # aligned: a rejoined connector waiting for the ranks' vote
-        self._staged: AttentionEndpoint | None = None
+        self._staged: C | None = None
         self._all_ready = False  # the vote of the current forward
         self._reconnect = reconnect
         self._publish = publish
@@ -102,7 +105,7 @@ class FFNLink:
         connector.watch_peers(self.lost)
 
     @property
-    def connector(self) -> AttentionEndpoint | None:
+    def connector(self) -> C | None:
         """The connector to exchange through; None while the FFN is away
         (or, aligned, while a rejoined one waits for the other ranks)."""
         return self._connector if self.state.up else None
@@ -233,7 +236,7 @@ class FFNLink:
                     return
             time.sleep(RETRY_S)
 
-    def _install(self, connector: AttentionEndpoint) -> bool:
+    def _install(self, connector: C) -> bool:
         """Serve through ``connector``: at once, or, aligned, staged for
         :meth:`begin_step` (which resumes and activates it in the first
         forward every rank voted ready for) while the link reports up, so

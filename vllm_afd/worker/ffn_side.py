@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
-from vllm_afd.config import afd_config_of
+from vllm_afd.config import AFDConfig, afd_config_of
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.connector.protocol import REJOIN
 from vllm_afd.errors import (
@@ -31,9 +31,8 @@ from vllm_afd.errors import (
     AFDPeerError,
     AFDTimeoutError,
 )
-from vllm_afd.models.protocols import RoleSplitModel
 from vllm_afd.worker.endpoint import open_endpoint
-from vllm_afd.worker.ffn_loop import FFNLoop, StepGraphs
+from vllm_afd.worker.ffn_loop import FFNConnector, FFNLoop, StepGraphs
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
 from vllm_afd.worker.runner_base import AFDRunnerMixin
@@ -74,20 +73,18 @@ class FFNSideMixin(AFDRunnerMixin):
     afd_loop: FFNLoop | None = None
 
     def afd_start(self) -> None:
-        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        vllm_config = self.vllm_config
         afd = afd_config_of(vllm_config)
         if vllm_config.compilation_config.mode != CompilationMode.NONE:
             self._afd_compile_and_warm_up(afd)
-        model: RoleSplitModel = self.model  # type: ignore[attr-defined]
-        split = model.afd_split
-        device = self.device  # type: ignore[attr-defined]
-        self.afd_endpoint = open_endpoint(vllm_config, afd, split, device)
+        split = self.model.afd_split
+        self.afd_endpoint = open_endpoint(vllm_config, afd, split, self.device)
         self.afd_profiler = StepProfiler(
             "ffn", self.afd_endpoint.role_rank, skip=envs.profile_skip()
         )
         self._afd_serve(self._afd_loop_connector())
 
-    def _afd_loop_connector(self) -> Any:
+    def _afd_loop_connector(self) -> FFNConnector:
         """What the FFN loop talks to: the endpoint's connector, or with
         tensor parallelism a :class:`TPRelay` over it (TP rank 0) or over
         nothing (the other TP ranks)."""
@@ -95,6 +92,7 @@ class FFNSideMixin(AFDRunnerMixin):
         assert endpoint is not None
         tp_group = get_tp_group()
         if tp_group.world_size == 1:
+            assert endpoint.connector is not None  # TP rank 0 always has one
             return endpoint.connector
         split = endpoint.split
         gate_on_attention = endpoint.afd.compute_gate_on_attention
@@ -102,12 +100,12 @@ class FFNSideMixin(AFDRunnerMixin):
             endpoint.connector,
             tp_group,
             hidden_size=split.hidden_size,
-            dtype=self.vllm_config.model_config.dtype,  # type: ignore[attr-defined]
-            device=self.device,  # type: ignore[attr-defined]
+            dtype=self.vllm_config.model_config.dtype,
+            device=self.device,
             routing_top_k=split.top_k if gate_on_attention else None,
         )
 
-    def _afd_serve(self, connector: Any) -> None:
+    def _afd_serve(self, connector: FFNConnector) -> None:
         """Run an FFN loop (and its metrics) over ``connector``."""
         endpoint = self.afd_endpoint
         assert endpoint is not None and self.afd_profiler is not None
@@ -145,10 +143,7 @@ class FFNSideMixin(AFDRunnerMixin):
         old.close(f"{REJOIN}ffn rank {old.role_rank} re-forms the deployment: {why}")
         try:
             self.afd_endpoint = open_endpoint(
-                self.vllm_config,  # type: ignore[attr-defined]
-                old.afd,
-                old.split,
-                self.device,  # type: ignore[attr-defined]
+                self.vllm_config, old.afd, old.split, self.device
             )
         except AFDError as e:
             self.afd_endpoint = None
@@ -162,13 +157,13 @@ class FFNSideMixin(AFDRunnerMixin):
         """CUDA graphs of whole steps, where the device has them."""
         return None
 
-    def _afd_compile_and_warm_up(self, afd: Any) -> None:
+    def _afd_compile_and_warm_up(self, afd: AFDConfig) -> None:
         """Compile the remote layers and run each once per shape class.
 
         Done before the connector opens, so the attention role waits at the
         rendezvous rather than inside a step.
         """
-        model: RoleSplitModel = self.model  # type: ignore[attr-defined]
+        model = self.model
         split = model.afd_split
         model.compile_ffn()
         start = time.perf_counter()
@@ -176,14 +171,14 @@ class FFNSideMixin(AFDRunnerMixin):
             hidden = torch.zeros(
                 num_tokens,
                 split.hidden_size,
-                dtype=self.vllm_config.model_config.dtype,  # type: ignore[attr-defined]
-                device=self.device,  # type: ignore[attr-defined]
+                dtype=self.vllm_config.model_config.dtype,
+                device=self.device,
             )
             for layer_idx in split.remote_layers:
                 routing = None
                 if afd.compute_gate_on_attention and layer_idx in split.moe_layers:
                     k = split.top_k
-                    device = self.device  # type: ignore[attr-defined]
+                    device = self.device
                     routing = Routing(
                         topk_weights=torch.full(
                             (num_tokens, k), 1.0 / k, device=device
@@ -199,19 +194,13 @@ class FFNSideMixin(AFDRunnerMixin):
             time.perf_counter() - start,
         )
 
-    def _afd_compute(self, layer_idx: int, batch: Any) -> torch.Tensor:
+    def _afd_compute(self, layer_idx: int, batch: A2FBatch) -> torch.Tensor:
         hidden = batch.hidden
         with (
             torch.inference_mode(),
-            set_forward_context(
-                None,
-                self.vllm_config,  # type: ignore[attr-defined]
-                num_tokens=hidden.shape[0],
-            ),
+            set_forward_context(None, self.vllm_config, num_tokens=hidden.shape[0]),
         ):
-            return self.model.compute_ffn(  # type: ignore[attr-defined]
-                layer_idx, hidden, batch.routing
-            )
+            return self.model.compute_ffn(layer_idx, hidden, batch.routing)
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
         endpoint = self.afd_endpoint
@@ -256,7 +245,7 @@ class FFNSideMixin(AFDRunnerMixin):
             # An attention rank cannot rejoin a running deployment: a launcher
             # stops this node with an error instead of restarting this rank.
             envs.note_stop(gone, peer_died=True)
-        if error is None and connector is not None:
+        if error is None and endpoint is not None and connector is not None:
             # Say so to the session's members now (FFN rank 0: the ranks not
             # served by it): a member that only saw this process's sockets
             # close, later, when the server is gone, would take it for a

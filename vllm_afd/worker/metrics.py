@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from vllm_afd.connector.payloads import ConnectorStats
 
 METRICS = {
     "steps": ("afd_steps", "AFD forward steps exchanged"),
@@ -106,10 +109,18 @@ class MetricsPublisher:
         self.publish()
 
 
+class StatsSource(Protocol):
+    """What a publisher reads of a connector (``connector.AFDConnector``, or
+    an attention rank's ``worker.ffn_link.FFNLink`` summing its connectors)."""
+
+    @property
+    def stats(self) -> ConnectorStats: ...
+
+
 def endpoint_publisher(
     role: str,
     rank: int,
-    connector: Any,
+    connector: StatsSource,
     loop: Any | None = None,
     link: Any | None = None,
 ) -> MetricsPublisher:

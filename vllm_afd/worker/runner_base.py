@@ -8,26 +8,38 @@ and closes the connector, which tells the peers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_afd import lifeline
 from vllm_afd.worker.endpoint import Endpoint
 from vllm_afd.worker.metrics import MetricsPublisher
 from vllm_afd.worker.profiling import StepProfiler
 
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+    from vllm_afd.models.protocols import RoleSplitModel
+
 
 class AFDRunnerMixin:
+    # Set by the native runner this is mixed in before (declared for the type
+    # checker only; nothing is assigned here).
+    vllm_config: VllmConfig
+    model: RoleSplitModel  # built by the role's model class (``models/``)
+    device: torch.device
+
     afd_endpoint: Endpoint | None = None
     afd_metrics: MetricsPublisher | None = None
     afd_profiler: StepProfiler | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        super().load_model(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
         self.afd_start()
 
     def shutdown(self) -> None:
         self.afd_close()
-        super().shutdown()  # type: ignore[misc]
+        super().shutdown()  # type: ignore[misc]  # native runner, next in the MRO
         # The connector is closed (the peers were told): once its server is
         # gone this process need not finish the interpreter's teardown (its
         # last garbage collections take seconds on a busy host).

@@ -24,11 +24,37 @@ wait for its first plan).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm_afd.connector.payloads import A2FBatch, ConnectorStats, Routing
+from vllm_afd.connector.plan import MergedPlan
+
+
+class RelayedConnector(Protocol):
+    """What the relay needs of the leader's connector (the facade's FFN side,
+    ``connector.AFDConnector``)."""
+
+    @property
+    def stats(self) -> ConnectorStats: ...
+
+    @property
+    def rejoining(self) -> str | None: ...
+
+    def recv_plan(self) -> MergedPlan | None: ...
+
+    def recv_a2f(self, layer_idx: int, ubatch_idx: int) -> A2FBatch: ...
+
+    def send_f2a(
+        self, layer_idx: int, ubatch_idx: int, out: torch.Tensor
+    ) -> object: ...
+
+    def flush(self) -> None: ...
+
+    def account_graph_step(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -40,11 +66,14 @@ class Rejoin:
 
 
 class TPRelay:
-    """The FFN connector API over (leader connector + TP broadcasts)."""
+    """The FFN connector API over (leader connector + TP broadcasts).
+
+    ``connector`` is the leader's (None on the other TP ranks); ``tp_group``
+    vLLM's TP ``GroupCoordinator``."""
 
     def __init__(
         self,
-        connector: Any | None,
+        connector: RelayedConnector | None,
         tp_group: Any,
         *,
         hidden_size: int,
@@ -58,7 +87,7 @@ class TPRelay:
         self.dtype = dtype
         self.device = device
         self.routing_top_k = routing_top_k
-        self._plan: Any | None = None
+        self._plan: MergedPlan | None = None
         self._rejoining: str | None = None
 
     @property
@@ -76,11 +105,12 @@ class TPRelay:
         broadcast); None when the peers shut down for good."""
         return self._rejoining
 
-    def recv_plan(self) -> Any | None:
-        plan = None
-        if self.is_leader:
-            plan = self.connector.recv_plan()
-            why = self.connector.rejoining if plan is None else None
+    def recv_plan(self) -> MergedPlan | None:
+        plan: MergedPlan | Rejoin | None = None
+        leader = self.connector
+        if leader is not None:
+            plan = leader.recv_plan()
+            why = leader.rejoining if plan is None else None
             plan = Rejoin(why) if why is not None else plan
         plan = self._broadcast_plan(plan)
         if isinstance(plan, Rejoin):
@@ -89,10 +119,11 @@ class TPRelay:
         return plan
 
     def recv_a2f(self, layer_idx: int, ubatch_idx: int) -> A2FBatch:
-        batch = (
-            self.connector.recv_a2f(layer_idx, ubatch_idx) if self.is_leader else None
-        )
-        num_tokens = self._plan.ubatch_tokens[ubatch_idx]
+        leader = self.connector
+        batch = leader.recv_a2f(layer_idx, ubatch_idx) if leader is not None else None
+        plan = self._plan
+        assert plan is not None  # the loop serves the plan recv_plan returned
+        num_tokens = plan.ubatch_tokens[ubatch_idx]
         hidden = self._bcast(
             None if batch is None else batch.hidden,
             (num_tokens, self.hidden_size),
@@ -101,21 +132,26 @@ class TPRelay:
         routing = None
         if self.routing_top_k is not None:
             k = self.routing_top_k
+            received = None if batch is None else batch.routing
+            # the leader's batch carries routing when the gate runs on attention
+            assert batch is None or received is not None
             routing = Routing(
                 topk_weights=self._bcast(
-                    None if batch is None else batch.routing.topk_weights,
+                    None if received is None else received.topk_weights,
                     (num_tokens, k),
                     torch.float32,
                 ),
                 topk_ids=self._bcast(
-                    None if batch is None else batch.routing.topk_ids,
+                    None if received is None else received.topk_ids,
                     (num_tokens, k),
                     torch.int32,
                 ),
             )
         return A2FBatch(hidden=hidden, routing=routing)
 
-    def _broadcast_plan(self, plan: Any) -> Any:
+    def _broadcast_plan(
+        self, plan: MergedPlan | Rejoin | None
+    ) -> MergedPlan | Rejoin | None:
         """The leader's plan on every TP rank. The wait for it lasts as long
         as the deployment is idle, so the other ranks wait without vLLM's
         "No available shared memory broadcast block found in 60 seconds"
@@ -137,15 +173,15 @@ class TPRelay:
         return self.tp_group.broadcast(tensor.contiguous(), src=0)
 
     def send_f2a(self, layer_idx: int, ubatch_idx: int, out: torch.Tensor) -> None:
-        if self.is_leader:
+        if self.connector is not None:
             self.connector.send_f2a(layer_idx, ubatch_idx, out)
 
     def flush(self) -> None:
-        if self.is_leader:
+        if self.connector is not None:
             self.connector.flush()
 
     def account_graph_step(self) -> None:
-        if self.is_leader:
+        if self.connector is not None:
             self.connector.account_graph_step()
 
     def close(self) -> None:
