@@ -243,7 +243,12 @@ def counters(url: str, ffn_urls: list[str]) -> dict[tuple[str, str, str], float]
 def settled_counters(
     url: str, ffn_urls: list[str], timeout: float = 20.0
 ) -> dict[tuple[str, str, str], float]:
-    """Counters once two reads a publish interval (0.5 s) apart agree."""
+    """Counters once two reads a publish interval (0.5 s) apart agree.
+
+    Raises:
+        TimeoutError: they still moved after ``timeout`` s (a figure taken
+            from a moving window would be wrong, so none is taken).
+    """
     deadline = time.monotonic() + timeout
     last = counters(url, ffn_urls)
     while time.monotonic() < deadline:
@@ -252,8 +257,10 @@ def settled_counters(
         if now == last:
             return now
         last = now
-    _note(f"AFD counters still moving after {timeout:.0f}s; using the last read")
-    return last
+    raise TimeoutError(
+        f"the AFD counters of {url} were still moving after {timeout:.0f}s "
+        "with no request in flight; is another client using the deployment?"
+    )
 
 
 # ---------------------------------------------------------------- the phases

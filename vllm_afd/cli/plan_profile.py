@@ -177,12 +177,48 @@ def decode_step(
     )
 
 
+#: how far the FFN tokens per decode step of a measured window may stray
+#: from the point's batch before the point is measured again
+BATCH_SLACK = 0.25
+
+
 def measure_afd_point(
     url: str, ffn_urls: list[str], served: str, context: int, batch: int,
     decode_tokens: int, seed: int, note: Callable[[str], None] | None = None,
 ) -> Point:  # fmt: skip
-    """T_a, T_f and the round trip of one point (see the module doc)."""
+    """T_a, T_f and the round trip of one point (see the module doc).
+
+    The counters' window must hold decode steps of ``batch`` sequences: FFN
+    tokens per step within :data:`BATCH_SLACK` of ``batch``. A window whose
+    requests met the server staggered (on a busy host the first ones decode
+    alone for a while) holds smaller steps and would price another batch; it
+    is measured again, up to :data:`ATTEMPTS` times, each retry told to
+    ``note``; then the closest window is kept and ``note`` says so."""
     what = f"AFD c={context} b={batch}"
+    tried: list[Point] = []
+    for attempt in range(ATTEMPTS):
+        point = _afd_window(
+            url, ffn_urls, served, context, batch, decode_tokens,
+            seed + 100_000 * attempt, what, note,
+        )  # fmt: skip
+        if abs(point.ffn_tokens - batch) <= BATCH_SLACK * batch:
+            return point
+        tried.append(point)
+        if note is not None:
+            again = attempt + 1 < ATTEMPTS
+            note(
+                f"{what}: the FFN ran {point.ffn_tokens:.2f} tokens per decode "
+                f"step, not {batch} (requests arrived staggered); "
+                + (f"measuring again ({attempt + 2} of {ATTEMPTS})" if again
+                   else "keeping the closest of the tries")
+            )  # fmt: skip
+    return min(tried, key=lambda p: abs(p.ffn_tokens - batch))
+
+
+def _afd_window(
+    url: str, ffn_urls: list[str], served: str, context: int, batch: int,
+    decode_tokens: int, seed: int, what: str, note: Callable[[str], None] | None,
+) -> Point:  # fmt: skip
     reads: list[dict] = []
     tpot = decode_step(
         url, served, batch, context, decode_tokens, seed, what,
@@ -251,6 +287,33 @@ def warm_up(url: str, served: str, context: int, n: int) -> None:
                  progress=False)  # fmt: skip
 
 
+def _plain_measure(
+    url: str, served: str, decode_tokens: int, say: Callable[[str], None]
+) -> Callable[[int, int, int], Point]:
+    """Measures a (context, batch, seed) point on the plain server at ``url``."""
+
+    def measure(context: int, batch: int, seed: int) -> Point:
+        return measure_plain_point(url, served, context, batch, decode_tokens, seed,
+                                   say)  # fmt: skip
+
+    return measure
+
+
+def _step_measure(
+    url: str, served: str, ranks: int, label: str, decode_tokens: int,
+    say: Callable[[str], None],
+) -> Callable[[int, int, int], Point]:  # fmt: skip
+    """Measures a point by its decode step alone: ``ranks`` x the batch in
+    flight on the deployment at ``url``."""
+
+    def measure(context: int, batch: int, seed: int) -> Point:
+        step = decode_step(url, served, ranks * batch, context, decode_tokens, seed,
+                           f"{label} c={context} b={batch}", note=say)  # fmt: skip
+        return Point(context, batch, step)
+
+    return measure
+
+
 def profile(
     spec: DeploymentSpec,
     contexts: Sequence[int],
@@ -308,9 +371,8 @@ def profile(
             served = _check_lengths(plain.url, contexts, decode_tokens)
             warm_up(plain.url, served, min(contexts), 2)
             points["plain" if n == 1 else f"plain_tp{n}"] = each(
-                what, lambda c, b, sd, url=plain.url, served=served:
-                measure_plain_point(url, served, c, b, decode_tokens, sd, say),
-            )  # fmt: skip
+                what, _plain_measure(plain.url, served, decode_tokens, say)
+            )
     # Phases timed by their step alone: (phase, attention ranks, micro-batches,
     # label, why)
     for name, ranks, ubatches, label, why in (
@@ -323,9 +385,9 @@ def profile(
         say(f"starting {label} to measure {why} ...")
         dep = _afd(spec, ranks, log, contexts, decode_tokens, ubatches=ubatches)
         with dep as (url, _, served):
-            points[name] = each(label, lambda c, b, sd, r=ranks, what=label: Point(
-                c, b, decode_step(url, served, r * b, c, decode_tokens, sd,
-                                  f"{what} c={c} b={b}", note=say)))  # fmt: skip
+            points[name] = each(
+                label, _step_measure(url, served, ranks, label, decode_tokens, say)
+            )
     prof = build_profile(
         points["afd"], points["plain"], platform, decode_tokens,
         shared={k: points[f"shared{k}"] for k in sharing_ranks},
