@@ -86,3 +86,31 @@ def test_a_role_that_exits_names_its_cause_and_its_full_log(tmp_path):
     # The console got the exception lines, not the INFO line.
     assert "INFO starting" not in console.getvalue()
     assert "[attention] ValueError: Available memory" in console.getvalue()
+
+
+def test_the_failed_role_is_named_even_when_its_peer_exits_first(tmp_path):
+    """The FFN rank stops by itself (code 0) once its attention peer is gone;
+    the attention role's traceback arrives a moment later: the error is the
+    attention role's."""
+    from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError
+
+    spec = DeploymentSpec(model="m", cpu_workaround=False)
+    deployment = Deployment(spec, log=None)
+    late = "import time, sys; time.sleep(0.5); " + FAILING.strip().replace("\n", "; ")
+    deployment.processes = [
+        RoleProcess("ffn", [sys.executable, "-c", "pass"], 1, {}),
+        RoleProcess(
+            "attention", [sys.executable, "-c", late], 1, {},
+            log_file=tmp_path / "attention.log",
+        ),
+    ]  # fmt: skip
+    for proc in deployment.processes:
+        proc.start(None)
+    deadline = time.monotonic() + 30
+    with pytest.raises(LaunchError) as err:
+        while time.monotonic() < deadline:
+            deployment.check_alive()
+            time.sleep(0.05)
+    assert str(err.value).startswith(
+        "the attention process exited with code 1: ValueError: Available memory"
+    ), err.value

@@ -30,6 +30,9 @@ MAX_BACKOFF_S = 30.0
 #: seconds the launcher waits, once an attention process exited, for an FFN
 #: rank of its node to say the deployment was stopped (then no failure)
 STOP_NOTE_GRACE_S = 5.0
+#: seconds the launcher waits, once a role exited while the deployment
+#: starts, for the role that failed (an exception in its output) to exit too
+CAUSE_GRACE_S = 5.0
 
 
 class Deployment:
@@ -240,11 +243,32 @@ class Deployment:
         print(f"vllm-afd launch: {line}", file=sys.stderr, flush=True)
 
     def check_alive(self) -> None:
+        """Raise if a role process has exited (every role stopped first).
+
+        A role that fails takes its peers down with it (an FFN rank stops by
+        itself when its attention peer is gone), and they may exit first:
+        the error names the role that failed, the first whose output has an
+        exception line (waiting up to :data:`CAUSE_GRACE_S` for it).
+
+        Raises:
+            LaunchError: ``the NAME process exited with code N: CAUSE (full
+                log: PATH)``.
+        """
         dead = self.dead()
-        if dead is not None:
-            code = dead.exit_code()
-            self.stop()
-            raise LaunchError(dead.exited(code))
+        if dead is None:
+            return
+        deadline = time.monotonic() + CAUSE_GRACE_S
+        while True:
+            gone = [p for p in self.processes if p.exit_code() is not None]
+            failed = [p for p in gone if p.first_error or p.exit_code() != 0]
+            if failed or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        culprit = next((p for p in failed if p.first_error), None)
+        culprit = culprit or (failed[0] if failed else dead)
+        code = culprit.exit_code()
+        self.stop()
+        raise LaunchError(culprit.exited(code))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop every role. A ready deployment stops attention first (its

@@ -83,19 +83,58 @@ def checkpoint_bytes(model: str) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def available_ram() -> int:
-    """``MemAvailable`` of this host in bytes.
+def _numa_node_of_first_cpu() -> int:
+    """The NUMA node of this process's first allowed CPU (where vLLM's CPU
+    worker looks for memory); 0 when the system does not say."""
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+            if (node / f"cpu{cpu}").exists():
+                return int(node.name[4:])
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 0
+
+
+def _cgroup_left() -> int | None:
+    """Bytes the cgroup (v2) of this process may still take; None unlimited."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        usage = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) - usage
+
+
+def available_ram(node: int | None = None) -> int:
+    """The RAM a CPU worker may take, counted as vLLM 0.32's CPU worker counts
+    it (``vllm/utils/cpu_resource_utils.py``): free, file cache and
+    reclaimable slab of its NUMA node (``MemAvailable`` without NUMA
+    information), within the cgroup's limit.
 
     Raises:
-        MemoryBudgetError: ``/proc/meminfo`` cannot be read.
+        MemoryBudgetError: neither file can be read.
     """
+    node = _numa_node_of_first_cpu() if node is None else node
+    path = Path(f"/sys/devices/system/node/node{node}/meminfo")
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError) as e:
-        raise MemoryBudgetError(f"cannot read /proc/meminfo: {e}") from e
-    raise MemoryBudgetError("/proc/meminfo has no MemAvailable line")
+        if path.is_file():
+            info = {}
+            for line in path.read_text().splitlines():
+                parts = line.split()  # "Node 0 MemFree: 13475684 kB"
+                info[parts[2].rstrip(":")] = int(parts[3]) * 1024
+            free = (
+                info["MemFree"] + info["Active(file)"] + info["Inactive(file)"]
+                + info["SReclaimable"]
+            )  # fmt: skip
+        else:
+            lines = Path("/proc/meminfo").read_text().splitlines()
+            [line] = [x for x in lines if x.startswith("MemAvailable:")]
+            free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError, KeyError) as e:
+        raise MemoryBudgetError(f"cannot read this host's free memory: {e}") from e
+    left = _cgroup_left()
+    return free if left is None else min(free, left)
 
 
 def gpu_total_bytes(device: str) -> int | None:
