@@ -964,3 +964,37 @@ def test_a_cut_link_is_reported_after_timeout_s_without_heartbeat():
             for proc in procs:
                 proc.kill()
                 proc.wait()
+
+
+def test_ffn_rank_k_stops_for_good_when_the_session_host_does():
+    """2A2F: FFN rank 0 stops for good (its attention peer shut down: the
+    deployment is stopping). FFN rank 1, whose own attention peer may sit on
+    a headless node nothing else tells, ends its wait for plans as after a
+    SHUTDOWN of its peers (not to rendezvous again), so its server stops and
+    its launcher stops that node. A rejoin by FFN rank 0 still re-forms."""
+    sc = S.Scenario("p2p", S.free_port(), 2, 2, connect_timeout_s=20.0)
+    endpoints = {
+        (role, rank): _Endpoint(sc, role, rank)
+        for role, rank in (("ffn", 0), ("ffn", 1), ("attention", 0), ("attention", 1))
+    }
+    for ep in endpoints.values():
+        assert ep.started.wait(30), [e.error for e in endpoints.values()]
+    ffn1 = endpoints[("ffn", 1)].conn
+    got: dict = {}
+
+    def wait_for_plan() -> None:
+        got["plan"] = ffn1.recv_plan()
+        got["at"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait_for_plan, daemon=True)
+    waiter.start()
+    stopped = time.monotonic()
+    endpoints[("ffn", 0)].conn.close("ffn rank 0 stops: attention peers shut down")
+    waiter.join(10)
+    try:
+        assert not waiter.is_alive(), "ffn rank 1 kept waiting for plans"
+        assert got["plan"] is None and ffn1.rejoining is None
+        assert got["at"] - stopped < 5.0
+    finally:
+        for key in (("attention", 0), ("attention", 1), ("ffn", 1)):
+            endpoints[key].conn.close()

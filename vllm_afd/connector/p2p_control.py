@@ -89,6 +89,8 @@ class P2PControlPlane(ControlPlane):
         self._peers = topology.peers(role, role_rank)
         self._peer_global = topology.peer_global_ranks(role, role_rank)
         self._shutdown: dict[int, str] = {}  # peer index -> reason
+        #: FFN rank k > 0: why FFN rank 0 shut down for good (None: it did not)
+        self.host_stopped: str | None = None
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
@@ -205,7 +207,10 @@ class P2PControlPlane(ControlPlane):
     def _member_left(self) -> str | None:
         """Who of the session's membership left to rendezvous again, or died;
         None if nobody. A member that shuts down for good (a clean stop) is
-        let go: the deployment is stopping."""
+        let go: the deployment is stopping. When that member is FFN rank 0,
+        the session's host (the only member of an FFN rank k > 0), this FFN
+        rank stops too (:attr:`host_stopped`): its own attention peers may be
+        on a node whose launcher nothing else tells (a headless one)."""
         for ch in list(self._members):
             try:
                 ch.fill()
@@ -218,6 +223,8 @@ class P2PControlPlane(ControlPlane):
                         return f"{ch.peer} shut down ({reason})"
                     self._members.remove(ch)
                     ch.close()
+                    if self._role is AFDRole.FFN and self._rank > 0:
+                        self.host_stopped = f"{ch.peer} shut down ({reason})"
                     break
             else:
                 if ch.eof:
@@ -275,6 +282,10 @@ class P2PControlPlane(ControlPlane):
                 return None
             if (left := self._member_left()) is not None:
                 self.reform = left
+                return None
+            if self.host_stopped is not None and not received:
+                # between steps, as a SHUTDOWN of the peers: the deployment stops
+                logger.info("AFD %s: the deployment stops", self.host_stopped)
                 return None
             watched: list[int | Channel] = [self._wake_r, *waiting, *self._members]
             try:
