@@ -109,6 +109,12 @@ class AFDConnector(ConnectorCore):
             self.close()
             raise
         self._live = self.role
+        if not self._data.capabilities.matches_tags:
+            logger.warning(
+                "AFD data plane %s pairs transfers by order only: a desynchronised "
+                "exchange shows as wrong activations, not as an error",
+                self._data.backend,
+            )
         logger.info(
             "AFD connector up: role=%s rank=%d peers=%s connector=%s protocol=%d "
             "topology=%s fingerprint=%s",
@@ -182,6 +188,16 @@ class AFDConnector(ConnectorCore):
     def send_plan(self, plan: StepPlan) -> None:
         """Announce this rank's step to its FFN rank (outside any graph)."""
         self._check(ATT, "send_plan")
+        if (
+            plan.mode is ExecMode.CAPTURE
+            and not self._data.capabilities.graph_capturable
+        ):
+            raise AFDConnectorError(
+                f"the {self._data.backend or type(self._data).__name__} data plane "
+                "cannot be captured in a CUDA graph; serve with --enforce-eager, "
+                "or use a capturable backend (connector_extra_config.backend "
+                "'nccl' or 'cuda_ipc')"
+            )
         self._drain_sends()
         try:
             self._data.check()

@@ -41,8 +41,11 @@ Implementor's contract:
   once the device finished the step's exchanges (planes whose waits run on
   the device report their failures there). ``abort()`` may come from any
   thread: device-side waits end at once (with an error ``check`` reports).
-* ``capabilities`` says what the plane guarantees (:class:`Capabilities`);
-  config validation checks it against the CUDA-graph mode.
+* ``capabilities`` says what the plane guarantees (:class:`Capabilities`):
+  the facade refuses to capture a step on a plane that is not
+  ``graph_capturable``, warns at start-up about one that does not
+  ``matches_tags``, and tells the attention worker whether its waits are
+  ``bounded_wait`` (else a lost FFN rank stops the engine).
 * ``resume()`` is called once, by an attention rank that rejoined an FFN
   rank, after ``start`` and before the first step on this plane, while no
   step runs: a plane that keeps device state across planes of one process
