@@ -22,10 +22,12 @@ import threading
 from pathlib import Path
 from typing import IO, Protocol
 
-#: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, with vLLM's optional
-#: ``(EngineCore pid=12)`` process tag before it
+#: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, after vLLM's optional
+#: process tag ``(VllmWorker-0 pid=12)`` and log prefix
+#: ``ERROR 12-04 00:36:37 [multiproc_executor.py:953]``
 _EXCEPTION = re.compile(
-    r"^(\(\w+(?: \w+)? pid=\d+\)\s*)?"
+    r"^(\([^()]*? pid=\d+\)\s*)?"
+    r"((DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\]\s*)?"
     r"(?P<exc>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)): \S"
 )
 #: vLLM's generic wrappers of a worker's or engine's real error: never the cause
@@ -37,12 +39,20 @@ _GENERIC = (
 )
 
 
-def is_exception_line(line: str) -> bool:
-    """Whether ``line`` (without its role prefix) ends a traceback with an
-    exception's type and message, and is not one of vLLM's generic wrappers
-    that only point at the real error."""
+def exception_of(line: str) -> str | None:
+    """``Type: message`` when ``line`` (without its role prefix) ends a
+    traceback with an exception, unless it is one of vLLM's generic wrappers
+    that only point at the real error; None otherwise."""
     text = line.strip()
-    return bool(_EXCEPTION.match(text)) and not any(g in text for g in _GENERIC)
+    match = _EXCEPTION.match(text)
+    if match is None or any(g in text for g in _GENERIC):
+        return None
+    return text[match.start("exc") :]
+
+
+def is_exception_line(line: str) -> bool:
+    """Whether :func:`exception_of` finds an exception in ``line``."""
+    return exception_of(line) is not None
 
 
 def shown_on_console(line: str) -> bool:

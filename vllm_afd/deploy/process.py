@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from vllm_afd import envs
-from vllm_afd.deploy.logs import TextSink, is_exception_line
+from vllm_afd.deploy.logs import TextSink, exception_of
 
 
 class LaunchError(RuntimeError):
@@ -94,8 +94,8 @@ class RoleProcess:
         try:
             for raw in iter(stream.readline, b""):
                 line = raw.decode(errors="replace")
-                if self.first_error is None and is_exception_line(line):
-                    self.first_error = line.strip()
+                if self.first_error is None:
+                    self.first_error = exception_of(line)
                 if file is not None:
                     file.write(line)
                     file.flush()
