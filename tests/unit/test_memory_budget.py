@@ -9,6 +9,7 @@ from vllm_afd.deploy import commands as commands_mod
 from vllm_afd.deploy.memory import (
     CPU_PROCESS_BYTES,
     KV_SHARE,
+    MAX_AUTO_KV_BYTES,
     MIN_KV_BYTES,
     GiB,
     MemoryBudgetError,
@@ -33,7 +34,8 @@ def test_cpu_budget_splits_what_is_left_over_the_attention_workers(attention, ff
     )  # fmt: skip
     reserved = CPU_PROCESS_BYTES * (attention + ffn) + weights * (1 + ffn)
     kv = _kv(budget)
-    assert kv == pytest.approx((available - reserved) * KV_SHARE / attention, abs=2**20)
+    share = (available - reserved) * KV_SHARE / attention
+    assert kv == pytest.approx(min(share, MAX_AUTO_KV_BYTES), abs=2**20)
     # Everything asked for fits in what was available, with room to spare.
     assert attention * kv + reserved < available
     assert budget.ffn_args == ()  # the FFN role holds no KV cache

@@ -12,7 +12,7 @@ instead, unless the user set a size:
   ``--kv-cache-memory-bytes`` = :data:`KV_SHARE` of what is left of the
   host's available RAM once every role process of this node has its
   :data:`CPU_PROCESS_BYTES` and the checkpoint's bytes, split over the
-  attention workers.
+  attention workers, at most :data:`MAX_AUTO_KV_BYTES`.
 * **CUDA**, roles sharing a GPU: each FFN rank gets the fraction its weights
   need plus :data:`GPU_FFN_ACTIVATION_BYTES` (at least
   :data:`MIN_GPU_FRACTION`); the attention ranks on that GPU share the rest of
@@ -44,6 +44,10 @@ CPU_PROCESS_BYTES = 3 * GiB
 KV_SHARE = 0.8
 #: the smallest KV cache per attention worker the launcher starts with
 MIN_KV_BYTES = 256 * MiB
+#: the largest KV cache per attention worker the launcher gives on its own:
+#: vLLM's CPU worker zeroes it at start (~5 s per GiB on two cores), and a
+#: CPU deployment is for trying AFD; set ``--kv-cache-memory-bytes`` for more
+MAX_AUTO_KV_BYTES = 4 * GiB
 #: vLLM's default --gpu-memory-utilization on CUDA
 GPU_UTILIZATION = 0.9
 #: GPU memory of an FFN rank beside its weights (activations, CUDA graphs)
@@ -181,6 +185,8 @@ def cpu_budget(
     reserved += weight_bytes * servers
     left = available - reserved
     per_worker = int(left * KV_SHARE / attention_workers) // MiB * MiB
+    share = per_worker
+    per_worker = min(per_worker, MAX_AUTO_KV_BYTES)
     workers = attention_workers + ffn_workers
     numbers = (
         f"{available / GiB:.1f} GiB of RAM available; {workers} role worker(s) "
@@ -188,10 +194,10 @@ def cpu_budget(
         f"({CPU_PROCESS_BYTES / GiB:.0f} GiB each and {weight_bytes / GiB:.2f} "
         "GiB of weights per role process)"
     )
-    if per_worker < MIN_KV_BYTES:
+    if share < MIN_KV_BYTES:
         raise MemoryBudgetError(
             f"this host cannot hold the role processes asked for: {numbers}, "
-            f"which leaves {max(per_worker, 0) / MiB:.0f} MiB of KV cache per "
+            f"which leaves {max(share, 0) / MiB:.0f} MiB of KV cache per "
             f"attention worker (at least {MIN_KV_BYTES / MiB:.0f} MiB); run fewer "
             "ranks on this host, or give the attention role a KV cache size "
             "yourself (--attention-args '--kv-cache-memory-bytes 1G')"
