@@ -137,3 +137,20 @@ def test_roles_sharing_one_gpu_each_get_a_utilization(monkeypatch):
         model="m", cpu_workaround=False, attention_devices="0", ffn_devices="1"
     )
     assert "--gpu-memory-utilization" not in _argv(apart, "attention")
+
+
+@pytest.mark.parametrize(
+    "gpus,given,expected",
+    [
+        (["0"], {}, ("0", "0")),  # one GPU: both roles on it (cuda_ipc)
+        (["3"], {}, ("3", "3")),  # the one CUDA_VISIBLE_DEVICES leaves
+        (["0", "1"], {}, (None, None)),  # several: left to the user
+        ([], {}, (None, None)),  # a CPU host
+        (["0"], {"ffn_devices": "0"}, (None, "0")),  # a list given: kept
+    ],
+)
+def test_a_one_gpu_host_puts_both_roles_on_its_gpu(gpus, given, expected):
+    spec = DeploymentSpec(model="m", **given).with_default_devices(gpus)
+    assert (spec.attention_devices, spec.ffn_devices) == expected
+    if expected == ("0", "0"):
+        assert spec.data_plane() == "cuda_ipc"

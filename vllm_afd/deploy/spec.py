@@ -5,6 +5,10 @@ hosts, supervision) and the readers of vLLM arguments it needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -113,7 +117,23 @@ class DeploymentSpec:
                 args, "ffn_health_timeout", cls.ffn_health_timeout_s
             ),
             ready_timeout_s=getattr(args, "ready_timeout", cls.ready_timeout_s),
-        )
+        ).with_default_devices()
+
+    def with_default_devices(self, gpus: list[str] | None = None) -> DeploymentSpec:
+        """This spec, with both roles on the one GPU of a one-GPU host when no
+        device list is given (``gpus``: the visible GPUs, default
+        :func:`visible_gpus`): left to CUDA, every role would take GPU 0 as if
+        alone, NCCL could not pair two ranks on it, and vLLM would give each
+        role 0.9 of it. Given lists, several hosts, or another count of GPUs
+        leave the spec as it is."""
+        if self.attention_devices or self.ffn_devices or self.multi_host:
+            return self
+        if self.cpu_workaround:  # told it runs on CPU
+            return self
+        gpus = visible_gpus() if gpus is None else gpus
+        if len(gpus) != 1:
+            return self
+        return dataclasses.replace(self, attention_devices=gpus[0], ffn_devices=gpus[0])
 
     def role_devices(self) -> tuple[str | None, list[str | None]]:
         """``CUDA_VISIBLE_DEVICES`` of the attention server and of each FFN
@@ -253,3 +273,21 @@ def tensor_parallel_size(args: Sequence[str]) -> int:
         return int(vllm_arg(args, "--tensor-parallel-size", "-tp") or 1)
     except ValueError:
         return 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs a child process sees, without initialising CUDA here: none
+    without ``nvidia-smi`` (a CPU host), else ``CUDA_VISIBLE_DEVICES`` when
+    set, else every GPU ``nvidia-smi -L`` lists."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU")]
