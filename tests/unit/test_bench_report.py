@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from vllm_afd.cli import bench_format, plots
 from vllm_afd.cli import bench_report as rep
 from vllm_afd.cli.bench import model_facts
 from vllm_afd.cli.bench_workload import (
@@ -182,7 +183,7 @@ def test_report_has_workload_lengths_min_median_max():
 
 
 def test_format_table_shows_every_section():
-    text = rep.format_table(_report())
+    text = bench_format.format_table(_report())
     for needle in (
         "AFD 1A1F",
         "A:F 1:1",
@@ -214,7 +215,7 @@ def test_format_table_without_baseline_prints_dashes():
     r = _report()
     r.update(baseline=None, comparison=dict.fromkeys(rep.COMPARISON_KEYS))
     r.update(overhead=None)
-    text = rep.format_table(r)
+    text = bench_format.format_table(r)
     assert "not measured" in text and "greedy output" not in text
 
 
@@ -232,13 +233,13 @@ def test_plot_report_writes_png_when_matplotlib_present(tmp_path, with_baseline)
     r = _report()
     if not with_baseline:
         r.update(baseline=None, comparison=dict.fromkeys(rep.COMPARISON_KEYS))
-    path = rep.plot_report(r, tmp_path)
+    path = plots.plot_report(r, tmp_path)
     assert path is not None and path.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plot_report_returns_none_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises
-    assert rep.plot_report(_report(), tmp_path) is None
+    assert plots.plot_report(_report(), tmp_path) is None
     assert not list(tmp_path.iterdir())
 
 
@@ -354,14 +355,14 @@ def test_distribution_says_when_it_rests_on_few_samples():
 
 
 def test_table_marks_percentiles_over_few_requests_and_says_what_it_means():
-    text = rep.format_table(_report())  # 3 requests per side
+    text = bench_format.format_table(_report())  # 3 requests per side
     row = next(line for line in text.splitlines() if line.startswith("TPOT p50"))
     assert row.count("~") == 2, row
     assert f"~: a percentile over fewer than {rep.MIN_SAMPLES} requests" in text
 
 
 def test_overhead_sits_beside_the_throughput_it_lowers():
-    lines = rep.format_table(_report()).splitlines()
+    lines = bench_format.format_table(_report()).splitlines()
     at = next(i for i, line in enumerate(lines) if "per device (tok/s)" in line)
     assert "bench overhead (streaming)" in lines[at + 1]
     assert "+20.0% of it" in lines[at + 1]
@@ -384,7 +385,9 @@ def test_repeats_report_median_and_spread_of_each_side_and_ratio():
     assert rep.repeat_figures(afd[:1], base[:1]) is None
     report = _report()
     report["repeats"] = r
-    assert "repeats: 3 runs per side, median [min, max]" in rep.format_table(report)
+    assert "repeats: 3 runs per side, median [min, max]" in bench_format.format_table(
+        report
+    )
 
 
 def test_provenance_records_versions_device_command_and_time():
@@ -394,7 +397,7 @@ def test_provenance_records_versions_device_command_and_time():
     assert p["device"] and p["host"] and p["time_utc"].endswith("+00:00")
     report = _report()
     report["provenance"] = p
-    assert f"vllm-afd {p['vllm_afd']}" in rep.format_table(report)
+    assert f"vllm-afd {p['vllm_afd']}" in bench_format.format_table(report)
 
 
 def test_a_streamed_request_records_the_gap_before_each_token() -> None:

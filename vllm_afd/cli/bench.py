@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from vllm_afd.cli import bench_format, plots
 from vllm_afd.cli import bench_report as report_mod
 from vllm_afd.cli.bench_workload import (
     Request,
@@ -440,12 +441,12 @@ def run_bench(args: argparse.Namespace) -> int:
         return 1
     finally:
         log.close()
-    print(report_mod.format_table(report), flush=True)
+    print(bench_format.format_table(report), flush=True)
     if args.json:
         report_mod.write_json(report, args.json)
         _note(f"wrote {args.json}")
     if args.plot_dir:
-        path = report_mod.plot_report(report, args.plot_dir)
+        path = plots.plot_report(report, args.plot_dir)
         _note(f"wrote {path}" if path else "matplotlib not installed: no plots")
     failed = report["afd"]["failed"] + ((report["baseline"] or {}).get("failed") or 0)
     return 1 if failed else 0

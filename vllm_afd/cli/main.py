@@ -104,9 +104,11 @@ def _exit_now(code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
+        from vllm_afd import envs
         from vllm_afd.cli.vllm_cli import run_vllm_cli
 
         _quiet_resource_tracker()
+        envs.note_server_start(argv)
         try:
             run_vllm_cli(argv)
         except SystemExit as e:

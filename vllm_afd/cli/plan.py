@@ -26,14 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.cli import bench_report
+from vllm_afd.cli import bench_report, plots
 from vllm_afd.cli.bench_workload import model_info
 from vllm_afd.cli.plan_model import (
     MAX_SHARED_RANKS,
     SHARED_PLATFORMS,
     Candidate,
     Plan,
-    Prediction,
     Profile,
     best_batch,
     make_plan,
@@ -442,72 +441,6 @@ def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plot(plan: Plan, path: str, unit: str, title: str) -> bool:
-    """Tokens/s per device against A:F (the best deployment at each A:F,
-    named), one line per context and micro-batch count, colocated as a
-    dotted reference; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in plan.contexts:
-        for m in sorted({_m(p) for p in plan.rows}):
-            best: dict[float, Prediction] = {}  # per A:F, the best deployment
-            for p in plan.rows:
-                r = _ratio(p)
-                if (
-                    p.context == c
-                    and _m(p) == m
-                    and (
-                        r not in best
-                        or p.tokens_per_s_per_device > best[r].tokens_per_s_per_device
-                    )
-                ):
-                    best[r] = p
-            if best:
-                xs = sorted(best)
-                ys = [best[r].tokens_per_s_per_device for r in xs]
-                style = "-o" if m == 1 else "--s"
-                ax.plot(xs, ys, style, label=f"context {c}, m={m}")
-                for r, y in zip(xs, ys, strict=True):
-                    cand = best[r].candidate
-                    assert cand is not None  # rows are AFD deployments
-                    ax.annotate(
-                        dataclasses.replace(cand, ubatches=1).name,
-                        (r, y),
-                        fontsize=6,
-                        textcoords="offset points",
-                        xytext=(3, 3),
-                    )
-        base = plan.baselines.get(c)
-        if base:
-            ax.axhline(base.tokens_per_s_per_device, linestyle=":", color="grey")
-            ax.annotate(f"{base.name}, context {c}",
-                        (0.02, base.tokens_per_s_per_device),
-                        xycoords=("axes fraction", "data"), fontsize=7)  # fmt: skip
-    ax.set_xlabel("A:F (attention ranks per FFN rank)")
-    ax.set_ylabel(unit)
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def _m(p: Prediction) -> int:
-    return p.candidate.ubatches if p.candidate else 1
-
-
-def _ratio(p: Prediction) -> float:
-    c = p.candidate
-    return c.attention_ranks / c.ffn_ranks if c else 0.0
-
-
 def _slo(args: argparse.Namespace) -> float | None:
     return args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None
 
@@ -636,6 +569,6 @@ def run_plan(args: argparse.Namespace) -> int:
         _note(f"wrote {args.json}")
     if args.plot:
         title = f"{Path(args.model).name} on {where['device']}, {devices} devices"
-        ok = plot(plan, args.plot, unit, title)
+        ok = plots.plot_plan(plan, args.plot, unit, title)
         _note(f"wrote {args.plot}" if ok else "matplotlib not installed: no plot")
     return 0
