@@ -91,6 +91,7 @@ class P2PControlPlane(ControlPlane):
         self._shutdown: dict[int, str] = {}  # peer index -> reason
         #: FFN rank k > 0: why FFN rank 0 shut down for good (None: it did not)
         self.host_stopped: str | None = None
+        self._host_stopped_at = 0.0
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()
@@ -209,8 +210,9 @@ class P2PControlPlane(ControlPlane):
         None if nobody. A member that shuts down for good (a clean stop) is
         let go: the deployment is stopping. When that member is FFN rank 0,
         the session's host (the only member of an FFN rank k > 0), this FFN
-        rank stops too (:attr:`host_stopped`): its own attention peers may be
-        on a node whose launcher nothing else tells (a headless one)."""
+        rank stops too once its peers sent no plan for ``timeout_s``
+        (:attr:`host_stopped`): they may be on a node whose launcher nothing
+        else tells (a headless one, idle)."""
         for ch in list(self._members):
             try:
                 ch.fill()
@@ -225,6 +227,7 @@ class P2PControlPlane(ControlPlane):
                     ch.close()
                     if self._role is AFDRole.FFN and self._rank > 0:
                         self.host_stopped = f"{ch.peer} shut down ({reason})"
+                        self._host_stopped_at = time.monotonic()
                     break
             else:
                 if ch.eof:
@@ -284,9 +287,15 @@ class P2PControlPlane(ControlPlane):
                 self.reform = left
                 return None
             if self.host_stopped is not None and not received:
-                # between steps, as a SHUTDOWN of the peers: the deployment stops
-                logger.info("AFD %s: the deployment stops", self.host_stopped)
-                return None
+                # Between steps: the deployment stops. Peers still finishing
+                # their last steps send them within timeout_s; peers that idle
+                # (a headless node's) send nothing: then stop as after their
+                # SHUTDOWN.
+                grace = self._host_stopped_at + self._timeout_s - time.monotonic()
+                if grace <= 0:
+                    logger.info("AFD %s: the deployment stops", self.host_stopped)
+                    return None
+                timeout = grace if timeout is None else min(timeout, grace)
             watched: list[int | Channel] = [self._wake_r, *waiting, *self._members]
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
