@@ -25,6 +25,10 @@ must not appear on a command line, or change diagnostics.
 ``AFD_KEEP_FFN_ALIVE``
     ``1`` keeps an FFN server running after its attention peers shut down
     (default: it stops itself).
+``AFD_SERVER_STARTS``
+    A file where every ``vllm-afd serve`` process appends one line when it
+    starts (its role and model), for counting what a run started; the test
+    suite prints the count at the end.
 ``AFD_PROFILE_DIR``
     Directory for per-role ``torch.profiler`` traces (see docs/benchmarks.md).
 ``AFD_PROFILE_STEPS``
@@ -51,6 +55,7 @@ AFD_LAUNCHER_PID = "AFD_LAUNCHER_PID"
 AFD_SECRET = "AFD_SECRET"
 AFD_KEEP_FFN_ALIVE = "AFD_KEEP_FFN_ALIVE"
 AFD_STOP_NOTE = "AFD_STOP_NOTE"
+AFD_SERVER_STARTS = "AFD_SERVER_STARTS"
 AFD_PROFILE_DIR = "AFD_PROFILE_DIR"
 AFD_PROFILE_STEPS = "AFD_PROFILE_STEPS"
 AFD_PROFILE_SKIP = "AFD_PROFILE_SKIP"
@@ -117,3 +122,18 @@ def profile_tokens() -> int | None:
 def profile_modes() -> tuple[str, ...]:
     value = os.environ.get(AFD_PROFILE_MODES) or "EAGER,REPLAY"
     return tuple(m.strip().upper() for m in value.split(",") if m.strip())
+
+
+def note_server_start(argv: list[str]) -> None:
+    """Append this server's start to ``AFD_SERVER_STARTS`` when it is set:
+    one line, ``ROLE MODEL`` (``plain`` for a server without AFD)."""
+    path = os.environ.get(AFD_SERVER_STARTS)
+    if not path:
+        return
+    role = "plain"
+    for name in ("attention", "ffn"):
+        if any(f'"role": "{name}"' in a for a in argv):
+            role = name
+    model = argv[1] if len(argv) > 1 else "?"
+    with open(path, "a") as f:
+        f.write(f"{role} {model}\n")

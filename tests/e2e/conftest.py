@@ -11,6 +11,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def server_pool():
+    """The session's shared server lifetimes (``harness.POOL``), stopped at
+    the end."""
+    import harness
+
+    harness.POOL.keep = 3
+    yield harness.POOL
+    harness.POOL.close()
+
+
+@pytest.fixture
+def quiet_host():
+    """No idle server of the pool beside this test: it times things, starts
+    many servers of its own, or breaks them."""
+    import harness
+
+    harness.POOL.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Tiny DeepSeek-V2 and -V3 checkpoints made locally, shared by the session."""

@@ -7,6 +7,7 @@ its checks in that lifetime. Outputs are compared as token ids
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -199,45 +200,182 @@ def plain_outputs(
     env: dict[str, str] | None = None,
     warmup: bool = False,
 ) -> list[Completion]:
-    """The workload's outputs from plain vLLM with ``spec``'s settings (one
-    server lifetime; ``devices`` sets its ``CUDA_VISIBLE_DEVICES``, ``env``
-    adds environment variables; ``warmup``: the workload once before, its
-    outputs dropped, see :func:`warm_up`).
+    """The workload's outputs from plain vLLM with ``spec``'s settings
+    (``devices`` sets its ``CUDA_VISIBLE_DEVICES``, ``env`` adds environment
+    variables; ``warmup``: the workload once before, its outputs dropped, see
+    :func:`warm_up`).
 
     Once per session for the same server command line (less its port),
     environment additions, prompts and warm-up: later calls get the first
-    call's outputs, and write nothing to ``log``. Plain vLLM answers a
-    workload the same way each time it starts (the premise of every
-    comparison here), so modules that compare against the same baseline
-    share one server."""
-    plain = PlainServer(spec, log=log)
-    plain.process.env = {**plain.process.env, **(env or {})}
-    if devices is not None:
-        plain.process.env = {**plain.process.env, "CUDA_VISIBLE_DEVICES": devices}
-    argv = plain.process.argv
-    at = argv.index("--port")
-    key = (
-        tuple(argv[:at] + argv[at + 2 :]),
-        devices,
-        tuple(sorted((env or {}).items())),
-        tuple(texts),
-        warmup,
-    )
+    call's outputs. Plain vLLM answers a workload the same way each time it
+    starts (the premise of every comparison here), so modules that compare
+    against the same baseline share one run; the server itself stays in
+    :data:`POOL` while later tests may want it running (``vllm-afd bench``
+    against it)."""
+    server = POOL.plain_server(spec, log=log, devices=devices, env=env)
+    key = (POOL.plain_key(server), tuple(texts), warmup)
     if key in _PLAIN_RUNS:
         return list(_PLAIN_RUNS[key])
-    plain.start(ready_timeout=ready_timeout)
+    plain = POOL.running(server, ready_timeout=ready_timeout)
+    if warmup:
+        warm_up(plain.url, texts)
     try:
-        if warmup:
-            warm_up(plain.url, texts)
         out = run_workload(plain.url, served_model(plain.url), texts)
     finally:
-        plain.stop()
+        POOL.trim()
     _PLAIN_RUNS[key] = out
     return list(out)
 
 
+def prestart_plain(spec: DeploymentSpec, texts: list[str]) -> None:
+    """Begin starting the plain server :func:`plain_outputs` will need for
+    ``spec`` and ``texts`` (nothing when their outputs are known)."""
+    server = POOL.plain_server(spec)
+    if (POOL.plain_key(server), tuple(texts), False) not in _PLAIN_RUNS:
+        POOL.prestart(server)
+
+
 #: :func:`plain_outputs` of this session, by what decides them
 _PLAIN_RUNS: dict[tuple, list[Completion]] = {}
+
+
+class ServerPool:
+    """The session's shared server lifetimes: AFD deployments keyed by what
+    decides their outputs (model, vLLM arguments, topology, options: every
+    field of the spec but its ports) and plain vLLM servers keyed by their
+    command line (less the port) and environment. A test asking for one that
+    runs gets it as it is (its counters carry earlier tests' steps); tests
+    that break a deployment (faults) start their own with :func:`start`.
+
+    At most :attr:`keep` servers run idle at once (a 2-core CI host): asking
+    for another stops the least recently used. :meth:`close` stops them all
+    (the session's end, and modules that time things or need the memory).
+    ``keep`` is 0 (every server stopped after its use, as on a GPU whose
+    memory the next server needs) unless the end-to-end session raises it
+    (``tests/e2e/conftest.py``)."""
+
+    def __init__(self) -> None:
+        self._live: dict[tuple, tuple[Any, LogSink | None]] = {}
+        self._starting: dict[tuple, threading.Thread] = {}
+        self._lock = threading.Lock()  # prestart threads add servers
+        self.keep = 0
+
+    @staticmethod
+    def deployment_key(spec: DeploymentSpec) -> tuple:
+        fields = dataclasses.asdict(spec)
+        for port in ("port", "ffn_port", "afd_port", "dp_rpc_port"):
+            fields.pop(port)
+        return ("afd", json.dumps(fields, sort_keys=True, default=str))
+
+    @staticmethod
+    def plain_key(plain: PlainServer) -> tuple:
+        """Its command line less the port, and the variables that change
+        what vLLM does (``VLLM_*``, ``CUDA_*``)."""
+        argv = plain.process.argv
+        at = argv.index("--port")
+        env = sorted(
+            (k, v) for k, v in plain.process.env.items()
+            if k.startswith(("VLLM_", "CUDA_"))
+        )  # fmt: skip
+        return ("plain", tuple(argv[:at] + argv[at + 2 :]), tuple(env))
+
+    def deployment(
+        self, spec: DeploymentSpec, **start_kw: Any
+    ) -> tuple[Deployment, LogSink]:
+        """A running deployment of ``spec``'s settings (started with
+        ``start_kw`` if none runs) and its role logs."""
+        key = self.deployment_key(spec)
+        if key not in self._live:
+            self._make_room()
+            afd, log = start(spec, **start_kw)
+            self._live[key] = (afd, log)
+        self._live[key] = self._live.pop(key)  # most recently used last
+        return self._live[key]
+
+    @staticmethod
+    def plain_server(
+        spec: DeploymentSpec,
+        log: Any = None,
+        devices: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> PlainServer:
+        """A plain vLLM server (not started) of ``spec``'s model and settings,
+        ``env`` added to its environment, ``devices`` its GPUs."""
+        server = PlainServer(spec, log=log)
+        server.process.env = {**server.process.env, **(env or {})}
+        if devices is not None:
+            server.process.env["CUDA_VISIBLE_DEVICES"] = devices
+        return server
+
+    def running(self, server: PlainServer, ready_timeout: float = 600.0) -> PlainServer:
+        """The pool's running server of ``server``'s key (``server`` started
+        if none runs; one :meth:`prestart` began is waited for)."""
+        key = self.plain_key(server)
+        starting = self._starting.pop(key, None)
+        if starting is not None:
+            starting.join()
+            if key not in self._live:
+                raise LaunchError("plain vLLM failed to start (see the log above)")
+        if key not in self._live:
+            self._make_room()
+            server.start(ready_timeout=ready_timeout)
+            self._live[key] = (server, None)
+        self._live[key] = self._live.pop(key)
+        return self._live[key][0]
+
+    def prestart(self, server: PlainServer, ready_timeout: float = 600.0) -> None:
+        """Start ``server`` on a thread, so that it starts while the test
+        starts its AFD deployment (on two cores three servers start in about
+        the time of two after another: most of a start is single-threaded
+        imports); :meth:`running` waits for it. Nothing when ``keep`` leaves
+        no room for it beside a deployment, or one of its key runs."""
+        key = self.plain_key(server)
+        if self.keep < 2 or key in self._live or key in self._starting:
+            return
+        self._make_room(free=2)
+
+        def start() -> None:
+            try:
+                server.start(ready_timeout=ready_timeout)
+            except LaunchError as e:
+                print(f"plain vLLM did not start: {e}")
+                return
+            with self._lock:
+                self._live[key] = (server, None)
+
+        thread = threading.Thread(target=start, daemon=True)
+        self._starting[key] = thread
+        thread.start()
+
+    def _make_room(self, free: int = 1) -> None:
+        while True:
+            with self._lock:
+                if not self._live or len(self._live) <= self.keep - free:
+                    return
+                key = next(iter(self._live))
+            self._stop(key)
+
+    def trim(self) -> None:
+        """Stop the least recently used servers beyond :attr:`keep`."""
+        while len(self._live) > self.keep:
+            self._stop(next(iter(self._live)))
+
+    def _stop(self, key: tuple) -> None:
+        with self._lock:
+            server, _ = self._live.pop(key)
+        server.stop()
+
+    def close(self) -> None:
+        """Stop every server of the pool."""
+        for thread in self._starting.values():
+            thread.join()
+        self._starting.clear()
+        for key in list(self._live):
+            self._stop(key)
+
+
+#: the session's server pool (``tests/e2e/conftest.py`` closes it at the end)
+POOL = ServerPool()
 
 
 def _long_request(url: str, model: str, max_tokens: int, outcome: dict) -> None:
@@ -452,34 +590,41 @@ def afd_vs_plain(
     ffn_metrics: bool = False,
     **start_kw: Any,
 ) -> Compared:
-    """Start AFD with ``spec``, run the workload, read the /metrics of its
-    attention role (FFN rank 0's with ``ffn_metrics``), stop it, then run the
-    same workload on plain vLLM with the same settings (unless ``plain``
-    already holds those outputs). Comparing is the caller's."""
-    afd, log = start(spec, **start_kw)
+    """The workload on the pool's deployment of ``spec`` (started if none
+    runs), the /metrics of its attention role (FFN rank 0's with
+    ``ffn_metrics``), and the same workload's outputs from plain vLLM with
+    the same settings (unless ``plain`` already holds them). Comparing is
+    the caller's."""
+    if plain is None:
+        prestart_plain(spec, texts)
+    afd, log = POOL.deployment(spec, **start_kw)
     try:
         afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
         metrics = settled_metrics(afd.ffn.url if ffn_metrics else afd.api_url)
+    except BaseException:
+        print_log_tail(log)
+        raise
     finally:
-        afd.stop()
+        POOL.trim()
     if plain is None:
         plain = plain_outputs(spec, texts)
     return Compared(afd_out, plain, log.getvalue(), metrics)
 
 
 def settled_metrics(url: str, timeout: float = 15.0) -> dict:
-    """AFD counters of a server once they stop changing (published every 0.5 s)."""
+    """AFD counters of a server once two reads a publish interval (0.5 s)
+    apart agree; fails the test when they still move after ``timeout`` s."""
     from vllm_afd.cli.client import afd_metrics
 
     deadline = time.monotonic() + timeout
     last = afd_metrics(url)
     while time.monotonic() < deadline:
-        time.sleep(1.0)
+        time.sleep(0.6)
         current = afd_metrics(url)
         if current == last:
             return current
         last = current
-    return last
+    pytest.fail(f"the AFD counters of {url} still moved after {timeout:.0f}s")
 
 
 class Collected:

@@ -20,7 +20,7 @@ from harness import free_ports
 
 from vllm_afd.cli.client import afd_metrics
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
 HIDDEN, LAYERS, FP32 = 128, 4, 4
 N, OUT, IN_LO, IN_HI = 8, 16, 8, 64

@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from harness import free_port_pair
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
 DEMO_TIMEOUT_S = 900
 

@@ -24,6 +24,7 @@ from harness import (
     make_spec,
     parameter_bytes,
     plain_outputs,
+    prestart_plain,
     prompts,
     run_workload,
     served_model,
@@ -63,6 +64,7 @@ def test_afd_1a1f_greedy_output_equals_plain_vllm(
     spec = make_spec(tiny_models[arch], ["--dtype", dtype, *extra])
     texts = prompts(16)
 
+    prestart_plain(spec, texts)
     afd, log = start(spec, attention_first=attention_first, stagger_s=5.0)
     try:
         model = served_model(afd.api_url)

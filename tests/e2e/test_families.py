@@ -66,7 +66,7 @@ def test_family_exact_and_role_split(family_models, family, ranks, gate_on_atten
         attention_ranks=ranks,
         gate_on_attention=gate_on_attention,
     )
-    texts = prompts(8)
+    texts = prompts(16)  # test_faults.py and test_multi_host.py's workload
     run = afd_vs_plain(spec, texts)  # plain vLLM once per family (harness)
     same = sum(
         a.token_ids == p.token_ids for a, p in zip(run.afd, run.plain, strict=True)

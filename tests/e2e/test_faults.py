@@ -59,7 +59,7 @@ from harness import (
 
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
 TIMEOUT_S = 4.0  # connector timeout_s: the bound on detecting a hung FFN
 HEARTBEAT_S = 0.5
@@ -88,11 +88,11 @@ def _start(model, a: int, f: int):
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """Tiny Qwen3-MoE: no MLA, so vLLM's prefix cache is on (on CPU vLLM turns
-    it off for MLA models such as DeepSeek-V2)."""
-    root = tmp_path_factory.mktemp("faults")
-    return write_tiny_checkpoint(root / "qwen3", arch="qwen3_moe", num_layers=3)
+def qwen3(family_models):
+    """Tiny Qwen3-MoE (test_families.py's: plain vLLM runs once for both):
+    no MLA, so vLLM's prefix cache is on (on CPU vLLM turns it off for MLA
+    models such as DeepSeek-V2)."""
+    return family_models["qwen3_moe"]
 
 
 def _plain_of(model) -> list:

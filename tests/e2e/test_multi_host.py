@@ -48,6 +48,7 @@ from hosts import emulated_hosts, unavailable
 
 pytestmark = [
     pytest.mark.e2e,
+    pytest.mark.usefixtures("quiet_host"),
     pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
 ]
 
@@ -55,7 +56,7 @@ READY_TIMEOUT_S = 600.0
 #: the settings and prompts of test_families.py's Qwen3-MoE, on its model:
 #: the session runs plain vLLM for them once (harness.plain_outputs)
 EXTRA = ["--dtype", "float32", "--enforce-eager"]
-TEXTS = prompts(8)
+TEXTS = prompts(16)
 #: fp32 logprobs: DP ranks batch differently from one plain server
 ATOL = 1e-4
 #: the line each node's launcher prints once its processes are healthy
@@ -86,6 +87,8 @@ def _launch_argv(model, a: int, f: int, att: str, ffn: str, addrs: list[str]):
         sys.executable, "-m", "vllm_afd.cli.main", "launch", str(model),
         "-A", str(a), "-F", str(f), "--hosts", ",".join(addrs),
         "--attention-nodes", att, "--ffn-nodes", ffn, "--verbose",
+        # FFN rank 1 stops timeout_s after FFN rank 0 when its peer idles
+        "--connector-extra-config", '{"timeout_s": 10}',
         "--", *BASE_ARGS, *EXTRA,
     ]  # fmt: skip
 
@@ -189,8 +192,9 @@ def test_roles_on_several_hosts_are_exact(model, plain, case):
                 fault = _kill_ffn_and_rejoin(nodes, kill_on, url, TEXTS, plain)
             fault["other nodes stopped"] = _stop_from_the_api_node(nodes)
         except BaseException:
-            for i, node in enumerate(nodes):
-                print(f"--- node {i}:\n" + "".join(node.lines[-80:]))
+            for i, node in enumerate(nodes):  # without the /health polls
+                kept = [x for x in node.lines if '"GET /health HTTP' not in x]
+                print(f"--- node {i}:\n" + "".join(kept[-150:]))
             raise
         finally:
             for node in nodes:  # the API node first: its stop tells the FFN

@@ -21,7 +21,7 @@ import sys
 import pytest
 from harness import PLAN_RESULTS, free_ports
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
 ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "float32"]
 

@@ -34,6 +34,7 @@ from harness import (
     http_get,
     make_spec,
     plain_outputs,
+    prestart_plain,
     print_log_tail,
     prompts,
     run_workload,
@@ -90,6 +91,7 @@ def test_topology_greedy_output_equals_plain_vllm(
         },
     )
     texts = prompts(16)
+    prestart_plain(spec, texts)
     afd, log = start(spec)
     try:
         url = afd.api_url
