@@ -1002,21 +1002,31 @@ def test_ffn_rank_k_stops_for_good_when_the_session_host_does():
             endpoints[key].conn.close()
 
 
-def test_a_data_plane_that_cannot_be_captured_refuses_a_capture_step():
-    """Gloo moves cannot go into a CUDA graph: an attention rank asked to
-    capture a step over it fails at once, naming the plane and the fix,
+@pytest.mark.parametrize(
+    "mode,device,capturable,refused",
+    [
+        ("CAPTURE", "cuda", False, True),  # Gloo moves in a CUDA graph: refused
+        ("CAPTURE", "cuda", True, False),  # nccl, cuda_ipc
+        ("CAPTURE", "cpu", False, False),  # never captured for real
+        ("EAGER", "cuda", False, False),
+        ("REPLAY", "cuda", True, False),
+    ],
+)
+def test_a_data_plane_that_cannot_be_captured_refuses_a_capture_step(
+    mode, device, capturable, refused
+):
+    """An attention rank asked to capture a step over a plane whose moves a
+    CUDA graph cannot record fails at once, naming the plane and the fix,
     instead of capturing host-side transfers that would never replay."""
-    from vllm_afd.connector.protocol import ExecMode, StepPlan
-    from vllm_afd.errors import AFDConnectorError
+    from vllm_afd.connector.connector import capture_refusal
+    from vllm_afd.connector.data import Capabilities
+    from vllm_afd.connector.protocol import ExecMode
 
-    sc = S.Scenario("p2p", S.free_port(), 1, 1, connect_timeout_s=20.0)
-    ffn, attention = _Endpoint(sc, "ffn", 0), _Endpoint(sc, "attention", 0)
-    try:
-        for ep in (ffn, attention):
-            assert ep.started.wait(30), [ffn.error, attention.error]
-        with pytest.raises(AFDConnectorError, match="cannot be captured in a CUDA"):
-            attention.conn.send_plan(StepPlan(1, ExecMode.CAPTURE, (4,)))
-        attention.conn.send_plan(StepPlan(1, ExecMode.EAGER, (4,)))  # still usable
-    finally:
-        attention.conn.close()
-        ffn.conn.close()
+    caps = Capabilities(
+        graph_capturable=capturable, matches_tags=True, bounded_wait=True
+    )
+    why = capture_refusal(ExecMode[mode], device, caps, "gloo")
+    assert (why is not None) is refused
+    if refused:
+        assert why.startswith("the gloo data plane cannot be captured in a CUDA")
+        assert "--enforce-eager" in why

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vllm_afd.connector.core import ATT, FFN, ConnectorCore, release_frames
+from vllm_afd.connector.data import Capabilities
 from vllm_afd.connector.payloads import (
     A2FBatch,
     RecvHandle,
@@ -188,16 +189,12 @@ class AFDConnector(ConnectorCore):
     def send_plan(self, plan: StepPlan) -> None:
         """Announce this rank's step to its FFN rank (outside any graph)."""
         self._check(ATT, "send_plan")
-        if (
-            plan.mode is ExecMode.CAPTURE
-            and not self._data.capabilities.graph_capturable
-        ):
-            raise AFDConnectorError(
-                f"the {self._data.backend or type(self._data).__name__} data plane "
-                "cannot be captured in a CUDA graph; serve with --enforce-eager, "
-                "or use a capturable backend (connector_extra_config.backend "
-                "'nccl' or 'cuda_ipc')"
-            )
+        refusal = capture_refusal(
+            plan.mode, self.device.type, self._data.capabilities,
+            self._data.backend or type(self._data).__name__,
+        )  # fmt: skip
+        if refusal is not None:
+            raise AFDConnectorError(refusal)
         self._drain_sends()
         try:
             self._data.check()
@@ -469,3 +466,23 @@ class AFDConnector(ConnectorCore):
         ]
         self._f2a_plan[ubatch_idx] = slices
         return slices
+
+
+def capture_refusal(
+    mode: ExecMode, device_type: str, capabilities: Capabilities, backend: str
+) -> str | None:
+    """Why a step of ``mode`` cannot be captured over this data plane, or None.
+
+    A CUDA graph records CUDA work only: a plane that is not
+    ``graph_capturable`` (Gloo: host-side transfers) would be recorded as
+    nothing and move no tensor on replay. A CPU connector is never captured
+    (the unit tests' CPU stand-in graphs run its planes eagerly)."""
+    if mode is not ExecMode.CAPTURE or device_type != "cuda":
+        return None
+    if capabilities.graph_capturable:
+        return None
+    return (
+        f"the {backend} data plane cannot be captured in a CUDA graph; serve with "
+        "--enforce-eager, or use a capturable backend "
+        "(connector_extra_config.backend 'nccl' or 'cuda_ipc')"
+    )
