@@ -301,7 +301,9 @@ class ServerPool:
     ) -> PlainServer:
         """A plain vLLM server (not started) of ``spec``'s model and settings,
         ``env`` added to its environment, ``devices`` its GPUs."""
-        server = PlainServer(spec, log=log)
+        # a port of its own: it may start while the deployment of the same
+        # spec (whose port the baseline takes otherwise) starts beside it
+        server = PlainServer(spec, log=log, port=free_port())
         server.process.env = {**server.process.env, **(env or {})}
         if devices is not None:
             server.process.env["CUDA_VISIBLE_DEVICES"] = devices

@@ -52,6 +52,26 @@ def test_the_first_exception_line_is_the_cause_not_vllms_wrappers():
             True,
         ),
         ("(Worker pid=2) ERROR 12-03 [core.py:1] EngineCore failed", True),
+        (
+            "(EngineCore pid=5) ERROR 12-04 01:37:53 [core.py:1510] Traceback (most "
+            "recent call last):",
+            False,
+        ),  # a traceback vLLM logs line by line:
+        (
+            "(EngineCore pid=5) ERROR 12-04 01:37:53 [core.py:1510]   File "
+            '"core.py", line 1482, in run_engine_core',
+            False,
+        ),  # its frames hidden,
+        (
+            "(EngineCore pid=5) ERROR 12-04 01:37:53 [core.py:1510]            "
+            "^^^^^^^^^",
+            False,
+        ),
+        (
+            "(VllmWorker-0 pid=7) ERROR 12-04 01:37:50 [multiproc_executor.py:953] "
+            "ValueError: Available memory on node 0",
+            True,
+        ),  # its last line shown
         ("torch.OutOfMemoryError: CUDA out of memory", True),
         ('INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK', False),
     ],

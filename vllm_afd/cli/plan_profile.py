@@ -189,11 +189,13 @@ def measure_afd_point(
     """T_a, T_f and the round trip of one point (see the module doc).
 
     The counters' window must hold decode steps of ``batch`` sequences: FFN
-    tokens per step within :data:`BATCH_SLACK` of ``batch``. A window whose
-    requests met the server staggered (on a busy host the first ones decode
-    alone for a while) holds smaller steps and would price another batch; it
-    is measured again, up to :data:`ATTEMPTS` times, each retry told to
-    ``note``; then the closest window is kept and ``note`` says so."""
+    tokens per step within :data:`BATCH_SLACK` of ``batch``, and a mean wait
+    per step below the median step. A window whose requests met the server
+    staggered (on a busy host the first ones decode alone for a while) holds
+    smaller steps and would price another batch; one with a stall inside
+    leaves no attention time. Either is measured again, up to
+    :data:`ATTEMPTS` times, each retry told to ``note``; then the closest
+    window is kept and ``note`` says so."""
     what = f"AFD c={context} b={batch}"
     tried: list[Point] = []
     for attempt in range(ATTEMPTS):
@@ -201,18 +203,30 @@ def measure_afd_point(
             url, ffn_urls, served, context, batch, decode_tokens,
             seed + 100_000 * attempt, what, note,
         )  # fmt: skip
-        if abs(point.ffn_tokens - batch) <= BATCH_SLACK * batch:
+        staggered = abs(point.ffn_tokens - batch) > BATCH_SLACK * batch
+        # the mean wait per step (counters) above the median step (token
+        # gaps): a stall inside the window, which leaves no attention time
+        stalled = point.wait_s >= point.tpot_s
+        if not staggered and not stalled:
             return point
         tried.append(point)
         if note is not None:
             again = attempt + 1 < ATTEMPTS
+            why = (
+                f"the FFN ran {point.ffn_tokens:.2f} tokens per decode step, not "
+                f"{batch} (requests arrived staggered)" if staggered else
+                f"the wait per step ({point.wait_s * 1e3:.2f} ms) reached the "
+                f"step ({point.tpot_s * 1e3:.2f} ms): a stall in the window"
+            )  # fmt: skip
             note(
-                f"{what}: the FFN ran {point.ffn_tokens:.2f} tokens per decode "
-                f"step, not {batch} (requests arrived staggered); "
+                f"{what}: {why}; "
                 + (f"measuring again ({attempt + 2} of {ATTEMPTS})" if again
                    else "keeping the closest of the tries")
             )  # fmt: skip
-    return min(tried, key=lambda p: abs(p.ffn_tokens - batch))
+    return min(
+        tried,
+        key=lambda p: (p.wait_s >= p.tpot_s, abs(p.ffn_tokens - batch)),
+    )
 
 
 def _afd_window(

@@ -55,11 +55,22 @@ def is_exception_line(line: str) -> bool:
     return exception_of(line) is not None
 
 
+#: vLLM's log prefix, ``LEVEL MM-DD HH:MM:SS [file.py:line] ``
+_PREFIX = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] ?")
+
+
 def shown_on_console(line: str) -> bool:
-    """Whether a role's log line (without its prefix) is shown by default:
-    errors, exception lines, AFD warnings and AFD start-up lines."""
-    if " ERROR " in line or is_exception_line(line):
+    """Whether a role's log line (without its role prefix) is shown by
+    default: errors (not the frames of the tracebacks vLLM logs line by line:
+    the exception line that ends one is shown), exception lines, AFD warnings
+    and AFD start-up lines."""
+    if is_exception_line(line):
         return True
+    if " ERROR " in line:
+        match = _PREFIX.search(line)
+        message = line[match.end() :] if match else line
+        frame = message[:1].isspace() or message.startswith("Traceback")
+        return bool(message.strip()) and not frame and message.strip("^~ \n") != ""
     if "AFD" not in line:
         return False
     return " WARNING " in line or "AFD connector up" in line
