@@ -320,7 +320,9 @@ def _results(q: Any, procs: list, timeout_s: float) -> list[dict] | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            return q.get(timeout=1.0)
+            # never past the deadline: a wait of 1 s could outlast a short
+            # --timeout and return the results after it
+            return q.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
         except queue.Empty:
             pass
         dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
