@@ -29,7 +29,7 @@ def test_cpu_budget_splits_what_is_left_over_the_attention_workers(attention, ff
     available = int(20.93 * GiB)  # what the 24 GiB CI host had free
     weights = 5 * 2**20
     budget = cpu_budget(
-        attention_workers=attention, ffn_workers=ffn, attention_servers=1,
+        attention_workers=attention, ffn_workers=ffn,
         weight_bytes=weights, available=available,
     )  # fmt: skip
     reserved = CPU_PROCESS_BYTES * (attention + ffn) + weights * (1 + ffn)
@@ -45,7 +45,7 @@ def test_cpu_budget_splits_what_is_left_over_the_attention_workers(attention, ff
 def test_cpu_budget_that_cannot_fit_is_refused_with_the_numbers():
     with pytest.raises(MemoryBudgetError) as err:
         cpu_budget(
-            attention_workers=2, ffn_workers=2, attention_servers=1,
+            attention_workers=2, ffn_workers=2,
             weight_bytes=2 * GiB, available=16 * GiB,
         )  # fmt: skip
     text = str(err.value)

@@ -61,7 +61,6 @@ def memory_budget(spec: DeploymentSpec, node: int | None = None) -> MemoryBudget
         return cpu_budget(
             attention_workers=attention * tensor_parallel_size(att_args),
             ffn_workers=ffn,
-            attention_servers=1,
             weight_bytes=checkpoint_bytes(spec.model),
             available=available_ram(),
         )

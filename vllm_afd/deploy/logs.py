@@ -22,12 +22,14 @@ import threading
 from pathlib import Path
 from typing import IO, Protocol
 
+#: vLLM's log prefix, ``LEVEL MM-DD HH:MM:SS [file.py:line] ``
+_LOG_PREFIX = r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\]"
+_PREFIX = re.compile(_LOG_PREFIX + " ?")
 #: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, after vLLM's optional
 #: process tag ``(VllmWorker-0 pid=12)`` and log prefix
-#: ``ERROR 12-04 00:36:37 [multiproc_executor.py:953]``
 _EXCEPTION = re.compile(
     r"^(\([^()]*? pid=\d+\)\s*)?"
-    r"((DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\]\s*)?"
+    rf"({_LOG_PREFIX}\s*)?"
     r"(?P<exc>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)): \S"
 )
 #: vLLM's generic wrappers of a worker's or engine's real error: never the cause
@@ -55,10 +57,6 @@ def is_exception_line(line: str) -> bool:
     return exception_of(line) is not None
 
 
-#: vLLM's log prefix, ``LEVEL MM-DD HH:MM:SS [file.py:line] ``
-_PREFIX = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] ?")
-
-
 def shown_on_console(line: str) -> bool:
     """Whether a role's log line (without its role prefix) is shown by
     default: errors (not the frames of the tracebacks vLLM logs line by line:
@@ -70,7 +68,7 @@ def shown_on_console(line: str) -> bool:
         match = _PREFIX.search(line)
         message = line[match.end() :] if match else line
         frame = message[:1].isspace() or message.startswith("Traceback")
-        return bool(message.strip()) and not frame and message.strip("^~ \n") != ""
+        return not frame and message.strip("^~ \n") != ""
     if "AFD" not in line:
         return False
     return " WARNING " in line or "AFD connector up" in line

@@ -141,19 +141,29 @@ def available_ram(node: int | None = None) -> int:
     return free if left is None else min(free, left)
 
 
-def gpu_total_bytes(device: str) -> int | None:
-    """Memory of GPU ``device`` (an index or UUID) from ``nvidia-smi``; None
-    when it cannot tell."""
+def nvidia_smi(*args: str) -> str | None:
+    """``nvidia-smi ARGS``'s output; None without ``nvidia-smi`` (a CPU host)
+    or when it fails. Nothing here initialises CUDA."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
-             "-i", device],
-            capture_output=True, text=True, timeout=20, check=True,
+        return subprocess.run(
+            ["nvidia-smi", *args], capture_output=True, text=True, timeout=20,
+            check=True,
         ).stdout  # fmt: skip
-        return int(out.split()[0]) * MiB
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_total_bytes(device: str) -> int | None:
+    """Memory of GPU ``device`` (an index or UUID) from ``nvidia-smi``; None
+    when it cannot tell."""
+    out = nvidia_smi(
+        "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", device
+    )
+    try:
+        return None if out is None else int(out.split()[0]) * MiB
+    except (ValueError, IndexError):
         return None
 
 
@@ -161,7 +171,6 @@ def cpu_budget(
     *,
     attention_workers: int,
     ffn_workers: int,
-    attention_servers: int,
     weight_bytes: int,
     available: int,
 ) -> MemoryBudget:
@@ -170,7 +179,6 @@ def cpu_budget(
     Args:
         attention_workers: attention workers on this host (ranks x TP).
         ffn_workers: FFN workers on this host (ranks x TP).
-        attention_servers: attention role processes of this host (0 or 1).
         weight_bytes: the checkpoint's weight bytes (each role process is
             counted as holding all of them: an upper bound).
         available: the host's available RAM.
@@ -180,7 +188,7 @@ def cpu_budget(
     """
     if attention_workers == 0:
         return MemoryBudget()
-    servers = attention_servers + ffn_workers
+    servers = 1 + ffn_workers  # this host's attention server and FFN workers
     reserved = CPU_PROCESS_BYTES * (attention_workers + ffn_workers)
     reserved += weight_bytes * servers
     left = available - reserved

@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_afd.config import DEFAULT_PORT
+from vllm_afd.deploy.memory import nvidia_smi
 from vllm_afd.deploy.placement import Placement, PlacementError
 from vllm_afd.deploy.process import LaunchError
 
@@ -279,15 +278,12 @@ def visible_gpus() -> list[str]:
     """The GPUs a child process sees, without initialising CUDA here: none
     without ``nvidia-smi`` (a CPU host), else ``CUDA_VISIBLE_DEVICES`` when
     set, else every GPU ``nvidia-smi -L`` lists."""
-    if shutil.which("nvidia-smi") is None:
+    listed = nvidia_smi("-L")
+    if listed is None:
         return []
     given = os.environ.get("CUDA_VISIBLE_DEVICES")
     if given is not None:
         return [d.strip() for d in given.split(",") if d.strip()]
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU")]
+    return [
+        str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU")
+    ]
