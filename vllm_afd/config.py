@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from vllm_afd.connector import factory
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.roles import AFDRole
 
@@ -140,7 +141,6 @@ def _check_type(key: str, value: Any, expected: type) -> None:
 
 
 def _unknown_key_error(key: str) -> AFDConfigError:
-    from vllm_afd.connector import factory
 
     close = difflib.get_close_matches(key, list(_KEYS), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -258,12 +258,10 @@ def parse_afd_config(raw: Any) -> AFDConfig:
         )
 
     # The connector factory is the single source of connector names and of
-    # the keys each connector accepts. Imported here: it sits above config.
-    from vllm_afd.connector import factory
-
+    # the keys each connector accepts.
     connector = factory.canonical_name(raw.get("connector", AFDConfig.connector))
     extra = factory.validate_extra_config(
-        connector, raw.get("connector_extra_config", {})
+        connector, raw.get("connector_extra_config", {}), AFD_KEYS
     )
     return AFDConfig(
         role=role,

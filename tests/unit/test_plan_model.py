@@ -9,7 +9,9 @@ import json
 import pytest
 
 from vllm_afd.cli import plan as plan_cli
+from vllm_afd.cli import plan_format
 from vllm_afd.cli.main import build_parser
+from vllm_afd.cli.plan_fit import Point, build_profile
 from vllm_afd.cli.plan_model import (
     Bound,
     Candidate,
@@ -21,7 +23,7 @@ from vllm_afd.cli.plan_model import (
     predict,
     predict_colocated,
 )
-from vllm_afd.cli.plan_profile import LogWatch, Point, build_profile
+from vllm_afd.cli.plan_profile import LogWatch
 
 
 def _profile(platform: str = "cuda", **kw) -> Profile:
@@ -224,13 +226,13 @@ def test_placed_gives_each_rank_its_gpus() -> None:
 
 def test_plan_and_check_tables_render() -> None:
     plan = make_plan(_profile(), 4, [128], [1, 16], None, max_ubatches=2)
-    text = plan_cli.format_plan(plan, "tok/s/device")
+    text = plan_format.format_plan(plan, "tok/s/device")
     assert "recommended:" in text and "colocated" in text
     rows = [{"deployment": "1A1F", "batch": 1, "predicted_step_ms": 3.0,
              "measured_step_ms": 4.0, "step_error": -0.25,
              "predicted_tokens_per_s_per_device": 1.0,
              "measured_tokens_per_s_per_device": 2.0}]  # fmt: skip
-    assert "median |step error| 25%" in plan_cli.format_check(rows, "x", plan)
+    assert "median |step error| 25%" in plan_format.format_check(rows, "x", plan)
 
 
 def test_sharing_is_fitted_on_2a1f_and_charged_per_extra_attention_rank() -> None:
@@ -298,7 +300,7 @@ def test_sharing_is_fitted_per_rank_count_where_measured() -> None:
         assert step == pytest.approx(sum_of_parts(x) + extra), x
     assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
     # what the table prints: a column per measured rank count
-    text = plan_cli.format_profile(prof, [{"context": 64, "batch": 4}])
+    text = plan_format.format_profile(prof, [{"context": 64, "batch": 4}])
     assert "S2 ms" in text and "S3 ms" in text
 
 
@@ -365,7 +367,7 @@ def test_plan_takes_the_best_colocated_baseline_that_fits_the_devices() -> None:
     four = _profile(colocated_tp={4: {128: Curve(((1, 1e-6), (64, 1e-6)))}})
     narrow = make_plan(four, 3, [128], [1, 64], None, max_ubatches=1)
     assert narrow.baselines[128].name == "colocated"  # TP4 needs 4 devices
-    text = plan_cli.format_plan(plan, "tok/s/device")
+    text = plan_format.format_plan(plan, "tok/s/device")
     assert "colocated TP2" in text
     assert Profile.from_json(json.loads(json.dumps(fast.to_json()))) == fast
 
@@ -379,7 +381,7 @@ def test_build_profile_keeps_tp_baselines_apart() -> None:
     assert prof.colocated[64](1) == pytest.approx(0.008)
     assert prof.colocated_tp[2][64](1) == pytest.approx(0.005)
     assert prof.kv_tokens_colocated_tp == {2: 30}
-    text = plan_cli.format_profile(prof, [{"context": 64, "batch": 1}])
+    text = plan_format.format_profile(prof, [{"context": 64, "batch": 1}])
     assert "plain vLLM TP2 step: context 64 batch 1: 5.00 ms; KV capacity 30" in text
 
 

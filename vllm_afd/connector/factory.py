@@ -3,15 +3,20 @@
 ``config.parse_afd_config`` asks :func:`canonical_name` and
 :func:`validate_extra_config`; workers call :func:`create_connector`.
 
-    name       aliases                 what
-    p2p        P2pNcclAFDConnector     TCP control + Gloo/NCCL/CUDA-IPC data plane
-    loopback   -                       threads of one process (tests)
+    name       aliases                 builder
+    p2p        P2pNcclAFDConnector     vllm_afd.connector.p2p:build
+    loopback   -                       vllm_afd.connector.loopback:build
 
-Imports neither vLLM nor torch at module level (config parsing stays light).
+A builder is named by a ``"module:function"`` string, as vLLM's KV-connector
+factory names its connectors, and imported only when a connector is built:
+this module imports nothing of the package but its errors (the config module
+imports it; it imports neither the config nor the connectors), nor vLLM, nor
+torch at module level (config parsing stays light).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +30,8 @@ if TYPE_CHECKING:
     from vllm_afd.config import AFDConfig
     from vllm_afd.connector.connector import AFDConnector
     from vllm_afd.connector.protocol import Fingerprint
+
+    Builder = Callable[..., AFDConnector]
 
 
 @dataclass(frozen=True)
@@ -79,12 +86,23 @@ _TIMEOUTS = {
 
 @dataclass(frozen=True)
 class ConnectorSpec:
-    """A registered connector: its names, options and builder."""
+    """A registered connector: its names, options and builder.
+
+    Attributes:
+        builder: ``"module:function"``; the function takes (config, role_rank,
+            fingerprint, device, topology, options, limits) and returns an
+            unstarted ``AFDConnector``.
+    """
 
     name: str
     aliases: tuple[str, ...]
     options: Mapping[str, Option]
-    build: Callable[..., AFDConnector]
+    builder: str
+
+    def load_builder(self) -> Builder:
+        """Import the builder (the connector's modules load only here)."""
+        module, _, function = self.builder.partition(":")
+        return getattr(importlib.import_module(module), function)
 
 
 def _check_secret_file(path: str) -> str | None:
@@ -93,24 +111,12 @@ def _check_secret_file(path: str) -> str | None:
     return check_secret_file(path)
 
 
-def _build_p2p(*args: Any) -> AFDConnector:
-    from vllm_afd.connector.p2p import build
-
-    return build(*args)
-
-
-def _build_loopback(*args: Any) -> AFDConnector:
-    from vllm_afd.connector.loopback import build
-
-    return build(*args)
-
-
 _SPECS: tuple[ConnectorSpec, ...] = (
     ConnectorSpec(
         name="loopback",
         aliases=(),
         options=dict(_TIMEOUTS),
-        build=_build_loopback,
+        builder="vllm_afd.connector.loopback:build",
     ),
     ConnectorSpec(
         name="p2p",
@@ -156,7 +162,7 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 check=_check_secret_file,
             ),
         },
-        build=_build_p2p,
+        builder="vllm_afd.connector.p2p:build",
     ),
 )
 _BY_NAME = {s.name: s for s in _SPECS}
@@ -232,8 +238,13 @@ def _check_option(name: str, key: str, value: Any, opt: Option) -> Any:
     return value
 
 
-def validate_extra_config(name: str, extra: Mapping[str, Any]) -> dict[str, Any]:
+def validate_extra_config(
+    name: str, extra: Mapping[str, Any], afd_keys: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """Check ``connector_extra_config`` against the connector's options.
+
+    ``afd_keys`` (the keys of ``afd`` itself) turns a key put one level too
+    deep into a hint where it belongs.
 
     Returns:
         A new dict with every option of the connector, defaults filled in.
@@ -252,11 +263,9 @@ def validate_extra_config(name: str, extra: Mapping[str, Any]) -> dict[str, Any]
     for key, value in extra.items():
         opt = s.options.get(key)
         if opt is None:
-            from vllm_afd.config import AFD_KEYS
-
             hint = (
                 f"; it is a key of afd itself: put it at afd.{key}"
-                if key in AFD_KEYS
+                if key in afd_keys
                 else ""
             )
             raise AFDConfigError(
@@ -279,22 +288,6 @@ def validate_extra_config(name: str, extra: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-def _check_fingerprint(config: AFDConfig, fingerprint: Fingerprint, name: str) -> None:
-    expected = {
-        "num_attention_ranks": config.num_attention_ranks,
-        "num_ffn_ranks": config.num_ffn_ranks,
-        "compute_gate_on_attention": config.compute_gate_on_attention,
-        "connector": name,
-    }
-    bad = [k for k, v in expected.items() if getattr(fingerprint, k) != v]
-    if bad:
-        detail = ", ".join(
-            f"{k}: fingerprint={getattr(fingerprint, k)!r} afd={expected[k]!r}"
-            for k in bad
-        )
-        raise AFDConfigError(f"fingerprint disagrees with the afd config: {detail}")
-
-
 def create_connector(
     config: AFDConfig,
     role_rank: int,
@@ -307,12 +300,14 @@ def create_connector(
     Args:
         config: the parsed afd config (role, connector, address, topology).
         role_rank: this endpoint's rank within its role.
-        fingerprint: model + topology + options both roles must agree on.
+        fingerprint: this role's record of the model, topology and options;
+            the rendezvous compares it with the other role's and refuses the
+            pair naming every field that differs.
         device: where exchanged tensors live (``cpu`` or a ``cuda`` device).
         limits: sizes of the exchanges ahead (default :class:`ExchangeLimits`).
 
     Raises:
-        AFDConfigError: bad rank, options or fingerprint.
+        AFDConfigError: bad rank or options.
     """
     import torch
 
@@ -333,7 +328,7 @@ def create_connector(
             f"afd.rank={config_rank} but the connector was asked for "
             f"{config.role.value} rank {role_rank}"
         )
-    _check_fingerprint(config, fingerprint, s.name)
     dev = torch.device(device)
     limits = limits or ExchangeLimits(ubatches=getattr(config, "num_ubatches", 1))
-    return s.build(config, role_rank, fingerprint, dev, topology, extra, limits)
+    build = s.load_builder()
+    return build(config, role_rank, fingerprint, dev, topology, extra, limits)

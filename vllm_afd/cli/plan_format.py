@@ -1,0 +1,110 @@
+"""The tables ``vllm-afd plan`` prints: measured parts, plan, check (pure)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from vllm_afd.cli.plan_model import Plan, Profile
+
+
+def format_profile(prof: Profile, afd: list[dict]) -> str:
+    layers = prof.remote_layers or 1
+    lines = [
+        f"measured parts per decode step ({prof.remote_layers} remote layers; "
+        "per layer = / layers)",
+        f"{'context':>8} {'batch':>6} {'T_a ms':>8} {'T_f ms':>8} {'T_c ms':>8} "
+        f"{'T_f/layer us':>13} {'plain ms':>9}"
+        + "".join(f" {f'S{k} ms':>7}" for k in sorted(prof.sharing))
+        + (f" {'U ms':>7}" if prof.ubatching else ""),
+    ]
+    for p in afd:
+        c, b = p["context"], p["batch"]
+        t_a = prof.attention[c](b)
+        t_f, t_c = prof.ffn(b), prof.comm(b)
+        plain = prof.colocated.get(c)
+        shares = [prof.sharing[k].get(c) for k in sorted(prof.sharing)]
+        ub = prof.ubatching.get(c)
+        lines.append(
+            f"{c:>8} {b:>6} {t_a * 1e3:>8.2f} {t_f * 1e3:>8.2f} {t_c * 1e3:>8.2f} "
+            f"{t_f / layers * 1e6:>13.1f} "
+            f"{plain(b) * 1e3 if plain else float('nan'):>9.2f}"
+            + "".join(f" {s(b) * 1e3 if s else float('nan'):>7.2f}" for s in shares)
+            + (f" {ub(b) * 1e3:>7.2f}" if ub else "")
+        )
+    if prof.sharing:
+        lines.append(
+            "Sk: what attention rank k costs a step on this shared device "
+            "beyond its work (measured on kA1F; negative: the ranks overlap)"
+        )
+    if prof.ubatching:
+        lines.append(
+            "U: what each micro-batch beyond the first changes the step by "
+            "(measured on 1A1F with 2; negative: the overlap gains)"
+        )
+    kv = (prof.kv_tokens_attention, prof.kv_tokens_colocated)
+    lines.append(f"KV capacity (tokens): attention rank {kv[0]}, colocated {kv[1]}")
+    for n, curves in sorted(prof.colocated_tp.items()):
+        steps = ", ".join(
+            f"context {c} batch {int(b)}: {t * 1e3:.2f} ms"
+            for c, curve in sorted(curves.items())
+            for b, t in curve.points
+        )
+        kv_n = prof.kv_tokens_colocated_tp.get(n)
+        lines.append(f"plain vLLM TP{n} step: {steps}; KV capacity {kv_n}")
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, unit: str) -> str:
+    lines = [
+        f"{'context':>8} {'deployment':<12} {'batch':>6} {'step ms':>8} "
+        f"{unit:>14} {'vs colocated':>13} bound",
+    ]
+    for c in plan.contexts:
+        base = plan.baselines.get(c)
+        rows = sorted(
+            (p for p in plan.rows if p.context == c),
+            key=lambda p: -p.tokens_per_s_per_device,
+        )
+        for p in [*rows, *([base] if base else [])]:
+            ratio = (
+                f"{p.tokens_per_s_per_device / base.tokens_per_s_per_device:.2f}x"
+                if base and p is not base else "1.00x" if p is base else "-"
+            )  # fmt: skip
+            lines.append(
+                f"{c:>8} {p.name:<12} {p.batch:>6} {p.step_s * 1e3:>8.2f} "
+                f"{p.tokens_per_s_per_device:>14.1f} {ratio:>13} "
+                f"{p.bound.value if p.bound else '-'}"
+            )
+    rec = plan.recommended
+    if rec is None:
+        lines.append(f"recommended: none ({plan.reason})")
+    else:
+        lines.append(
+            f"recommended: {rec.name}, batch {rec.batch} per attention rank "
+            f"(context {rec.context}): {plan.reason}"
+        )
+    return "\n".join(lines)
+
+
+def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
+    lines = [
+        f"{'deployment':<12} {'batch':>6} {'step ms pred':>13} {'measured':>9} "
+        f"{'error':>7} {unit + ' pred':>19} {'measured':>9}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['deployment']:<12} {r['batch']:>6} {r['predicted_step_ms']:>13.2f} "
+            f"{r['measured_step_ms']:>9.2f} {r['step_error'] * 100:>6.0f}% "
+            f"{r['predicted_tokens_per_s_per_device']:>19.1f} "
+            f"{r['measured_tokens_per_s_per_device']:>9.1f}"
+        )
+    if rows:
+        errors = [abs(r["step_error"]) for r in rows]
+        best = max(rows, key=lambda r: r["measured_tokens_per_s_per_device"])
+        rec = plan.recommended.name if plan.recommended else None
+        lines.append(
+            f"median |step error| {statistics.median(errors) * 100:.0f}%; best "
+            f"measured: {best['deployment']} (recommended: {rec})"
+        )
+    return "\n".join(lines)
