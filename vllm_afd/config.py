@@ -20,8 +20,11 @@ from typing import Any
 from vllm_afd.connector import factory
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.roles import AFDRole
+from vllm_afd.topology import Topology
 
 AFD_KEY = "afd"
+#: the asynchronous connector's name (``connector.async_ep``)
+ASYNC = "async"
 DEFAULT_PORT = 29650
 #: the most micro-batches a step may be split into (afd.num_ubatches): vLLM
 #: 0.32 keeps per-micro-batch scratch space for two only
@@ -38,9 +41,11 @@ class AFDConfig:
         host: address of FFN rank 0, where the connector rendezvous listens.
         port: rendezvous port; the connector may also use ``port + 1``.
         num_attention_ranks: attention endpoints in the deployment (A).
-        num_ffn_ranks: FFN endpoints in the deployment (F); ``F <= A``.
+        num_ffn_ranks: FFN endpoints in the deployment (F); ``F <= A``, except
+            with the ``async`` connector (FFN ranks split the experts).
         compute_gate_on_attention: run router + top-k on attention and ship
             routing with the hidden states; dense MLP layers stay on attention.
+            Implied (and required) by the ``async`` connector.
         connector_extra_config: connector-specific options, validated by the
             connector's own schema.
         rank: FFN role only: this server's FFN rank. Every FFN rank runs as
@@ -71,6 +76,20 @@ class AFDConfig:
     rank: int | None = None
     num_ubatches: int = 1
     attention_ranks_per_device: int = 1
+
+    @property
+    def is_async(self) -> bool:
+        """The asynchronous (expert-parallel, plan-free) exchange."""
+        return self.connector == ASYNC
+
+    @property
+    def topology(self) -> Topology:
+        """Who talks to whom: every attention rank with every FFN rank for
+        the ``async`` connector, blocks of attention ranks per FFN rank
+        otherwise."""
+        return Topology(
+            self.num_attention_ranks, self.num_ffn_ranks, all_to_all=self.is_async
+        )
 
     @property
     def is_attention(self) -> bool:
@@ -211,11 +230,23 @@ def parse_afd_config(raw: Any) -> AFDConfig:
     for key, value in (("num_attention_ranks", num_a), ("num_ffn_ranks", num_f)):
         if value < 1:
             raise AFDConfigError(f"afd.{key}={value} must be at least 1")
-    if num_a < num_f:
+    # The connector factory is the single source of connector names and of
+    # the keys each connector accepts.
+    connector = factory.canonical_name(raw.get("connector", AFDConfig.connector))
+    gate_on_attention = raw.get("compute_gate_on_attention", connector == ASYNC)
+    if connector == ASYNC and not gate_on_attention:
+        raise AFDConfigError(
+            "afd.compute_gate_on_attention=false cannot run with the async "
+            "connector: its FFN ranks each hold a slice of the experts, so the "
+            "attention rank must route (compute the gate) to know which FFN "
+            "rank gets which rows; drop the key or set it to true"
+        )
+    if num_a < num_f and connector != ASYNC:
         raise AFDConfigError(
             f"afd.num_attention_ranks={num_a} must be >= "
             f"afd.num_ffn_ranks={num_f}; each FFN rank serves at least one "
-            "attention rank"
+            "attention rank (the async connector allows fewer attention "
+            "ranks: its FFN ranks split the experts)"
         )
 
     rank = raw.get("rank")
@@ -242,6 +273,12 @@ def parse_afd_config(raw: Any) -> AFDConfig:
             f"afd.num_ubatches={num_ubatches} is outside 1..{MAX_UBATCHES}; "
             "2 gives dual-batch overlap, 1 turns micro-batching off"
         )
+    if num_ubatches != 1 and connector == ASYNC:
+        raise AFDConfigError(
+            f"afd.num_ubatches={num_ubatches} is for the synchronous (p2p) "
+            "exchange; the async connector does not split steps into "
+            "micro-batches yet: set it to 1"
+        )
 
     per_device = raw.get(
         "attention_ranks_per_device", AFDConfig.attention_ranks_per_device
@@ -257,9 +294,6 @@ def parse_afd_config(raw: Any) -> AFDConfig:
             "role only; give each FFN rank its own device"
         )
 
-    # The connector factory is the single source of connector names and of
-    # the keys each connector accepts.
-    connector = factory.canonical_name(raw.get("connector", AFDConfig.connector))
     extra = factory.validate_extra_config(
         connector, raw.get("connector_extra_config", {}), AFD_KEYS
     )
@@ -270,7 +304,7 @@ def parse_afd_config(raw: Any) -> AFDConfig:
         port=port,
         num_attention_ranks=num_a,
         num_ffn_ranks=num_f,
-        compute_gate_on_attention=raw.get("compute_gate_on_attention", False),
+        compute_gate_on_attention=gate_on_attention,
         connector_extra_config=MappingProxyType(dict(extra)),
         rank=rank,
         num_ubatches=num_ubatches,

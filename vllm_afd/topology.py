@@ -11,6 +11,11 @@ Connector rank order puts FFN ranks first::
 (the first ``m`` FFN ranks serve ``q + 1`` attention ranks, the others ``q``;
 with A a multiple of F every block is ``A / F`` ranks: ``[k*r, (k+1)*r)``).
 
+All to all (the ``async`` connector): every attention rank exchanges with
+every FFN rank, which each hold a slice of the experts; any A and F::
+
+    ffn k  <-->  attention [0, A)          attention a  <-->  ffn [0, F)
+
 An *endpoint* is one connector member. Attention ranks are the vLLM
 data-parallel ranks of the attention deployment (vLLM keeps them in
 lockstep, idle ranks run dummy steps, so an FFN rank can merge its peers'
@@ -36,6 +41,7 @@ class Topology:
 
     num_attention_ranks: int
     num_ffn_ranks: int
+    all_to_all: bool = False
 
     def __post_init__(self) -> None:
         a, f = self.num_attention_ranks, self.num_ffn_ranks
@@ -43,7 +49,7 @@ class Topology:
             raise AFDConfigError(
                 f"topology needs at least one rank per role, got {a}A{f}F"
             )
-        if a < f:
+        if a < f and not self.all_to_all:
             raise AFDConfigError(
                 f"afd.num_attention_ranks={a} must be >= afd.num_ffn_ranks={f}; "
                 "each FFN rank serves at least one attention rank"
@@ -97,10 +103,24 @@ class Topology:
     def attention_peers(self, ffn_rank: int) -> range:
         """Attention role ranks served by ``ffn_rank``, in merge order."""
         self._check_role_rank(AFDRole.FFN, ffn_rank)
+        if self.all_to_all:
+            return range(self.num_attention_ranks)
         return range(self._start(ffn_rank), self._start(ffn_rank + 1))
 
+    def ffn_peers(self, attention_rank: int) -> tuple[int, ...]:
+        """The FFN role ranks ``attention_rank`` exchanges with."""
+        if self.all_to_all:
+            self._check_role_rank(AFDRole.ATTENTION, attention_rank)
+            return tuple(range(self.num_ffn_ranks))
+        return (self.ffn_peer(attention_rank),)
+
     def ffn_peer(self, attention_rank: int) -> int:
-        """The FFN role rank that serves ``attention_rank``."""
+        """The FFN role rank that serves ``attention_rank`` (blocks only)."""
+        if self.all_to_all:
+            raise ValueError(
+                "all-to-all topology: an attention rank exchanges with every "
+                "FFN rank (ffn_peers)"
+            )
         self._check_role_rank(AFDRole.ATTENTION, attention_rank)
         q, m = divmod(self.num_attention_ranks, self.num_ffn_ranks)
         big = m * (q + 1)  # the ranks of the first m (larger) blocks
@@ -112,7 +132,7 @@ class Topology:
         """Role ranks of the other role this endpoint exchanges with."""
         if role is AFDRole.FFN:
             return tuple(self.attention_peers(role_rank))
-        return (self.ffn_peer(role_rank),)
+        return self.ffn_peers(role_rank)
 
     def peer_global_ranks(self, role: AFDRole, role_rank: int) -> tuple[int, ...]:
         """Connector ranks of :meth:`peers`, in the same order."""

@@ -24,6 +24,7 @@ from vllm_afd.connector import (  # noqa: E402
     StepPlan,
     registered_names,
 )
+from vllm_afd.connector.factory import spec  # noqa: E402
 from vllm_afd.errors import (  # noqa: E402
     AFDConnectorError,
     AFDPeerError,
@@ -31,7 +32,8 @@ from vllm_afd.errors import (  # noqa: E402
     AFDTimeoutError,
 )
 
-CONNECTORS = registered_names()
+#: the synchronous connectors (``async`` has its own suite: test_async.py)
+CONNECTORS = tuple(n for n in registered_names() if not spec(n).asynchronous)
 TOPOLOGIES = [(1, 1), (2, 1), (2, 2), (4, 2), (3, 2)]
 
 

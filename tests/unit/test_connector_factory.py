@@ -25,7 +25,7 @@ def _fp(**kw) -> Fingerprint:
 
 
 def test_registered_names_and_aliases():
-    assert registered_names() == ("loopback", "p2p")
+    assert registered_names() == ("async", "loopback", "p2p")
     assert canonical_name("P2pNcclAFDConnector") == "p2p"
     assert canonical_name("loopback") == "loopback"
 
@@ -34,7 +34,8 @@ def test_unknown_connector_lists_registered_names():
     with pytest.raises(AFDConfigError) as e:
         canonical_name("foo")
     assert str(e.value).startswith(
-        "afd.connector='foo' is not a registered connector; registered: loopback, p2p"
+        "afd.connector='foo' is not a registered connector; registered: async, "
+        "loopback, p2p"
     )
     with pytest.raises(AFDConfigError, match="not a registered connector"):
         parse_afd_config({"role": "ffn", "connector": "foo"})

@@ -252,3 +252,16 @@ def test_endpoint_rank_rejects_dp_rank_outside_dp_size(dp_rank: int) -> None:
         endpoint_rank(
             Topology(2, 1), AFDRole.ATTENTION, dp_rank=dp_rank, dp_size=2, tp_rank=0
         )
+
+
+def test_all_to_all_pairs_every_rank_with_every_rank_any_a_and_f():
+    topo = Topology(1, 3, all_to_all=True)
+    assert topo.name == "1A3F" and topo.world_size == 4
+    assert topo.peers(AFDRole.ATTENTION, 0) == (0, 1, 2)
+    assert all(topo.peers(AFDRole.FFN, k) == (0,) for k in range(3))
+    assert topo.peer_global_ranks(AFDRole.ATTENTION, 0) == (0, 1, 2)
+    with pytest.raises(ValueError, match="exchanges with every FFN rank"):
+        topo.ffn_peer(0)
+    with pytest.raises(AFDConfigError, match="must be >= afd.num_ffn_ranks"):
+        Topology(1, 3)
+    assert Topology(3, 2, all_to_all=True).attention_peers(1) == range(3)

@@ -1,5 +1,8 @@
 """A model of AFD decode from measured step times (``vllm-afd plan``).
 
+(Over 500 lines on purpose: one set of formulas, each next to the records
+it reads, documented here as a whole.)
+
 Inputs, per decode step and measured on a 1A1F deployment of the user's model
 (``cli.plan_profile``), all in seconds::
 

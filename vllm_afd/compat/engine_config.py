@@ -36,7 +36,7 @@ from vllm_afd.compat.workers import (
 )
 from vllm_afd.config import AFDConfig, afd_config_from_additional
 from vllm_afd.errors import AFDConfigError
-from vllm_afd.topology import Topology, endpoint_rank
+from vllm_afd.topology import endpoint_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -188,7 +188,7 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
             f"AFD needs --pipeline-parallel-size 1, got "
             f"{parallel.pipeline_parallel_size}"
         )
-    topology = Topology(afd.num_attention_ranks, afd.num_ffn_ranks)
+    topology = afd.topology
     endpoint_rank(
         topology,
         afd.role,
@@ -211,6 +211,8 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
             "--ubatch-size > 1), which overlaps an expert all-to-all; set "
             "afd.num_ubatches (e.g. 2) to overlap attention with the FFN role"
         )
+    if afd.is_async:
+        check_async_supported(afd, parallel)
     if afd.num_ubatches > 1 and afd.is_attention:
         check_ubatches_supported(afd, parallel)
     if afd.attention_ranks_per_device > 1:
@@ -258,6 +260,30 @@ def check_graph_mode(compilation: Any, breakable: bool) -> None:
             "forward, where the FFN role is told about each step. Set "
             "VLLM_USE_BREAKABLE_CUDAGRAPH=0, or --compilation-config "
             '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\', or --enforce-eager'
+        )
+
+
+def check_async_supported(afd: AFDConfig, parallel: Any) -> None:
+    """What the ``async`` connector runs on today: CPU, one TP rank per rank
+    (an FFN rank takes work items from any attention rank in arrival order,
+    which its TP ranks would have to agree on first).
+
+    Raises:
+        AFDConfigError: naming the connector and the setting that clashes.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise AFDConfigError(
+            f"afd.connector='async' moves CPU tensors over TCP; this platform "
+            f"is {current_platform.device_type}, where it is not supported yet. "
+            "Use the p2p connector (with compute_gate_on_attention=true)"
+        )
+    if parallel.tensor_parallel_size != 1:
+        raise AFDConfigError(
+            f"afd.connector='async' with --tensor-parallel-size "
+            f"{parallel.tensor_parallel_size} is not supported yet: use more "
+            "ranks instead (afd.num_attention_ranks, afd.num_ffn_ranks)"
         )
 
 

@@ -6,6 +6,12 @@
     name       aliases                 builder
     p2p        P2pNcclAFDConnector     vllm_afd.connector.p2p:build
     loopback   -                       vllm_afd.connector.loopback:build
+    async      -                       vllm_afd.connector.async_ep:build
+
+``p2p`` and ``loopback`` build the synchronous exchange (``AFDConnector``:
+step plans, blocks of attention ranks per FFN rank); ``async`` builds the
+expert-parallel one (``async_ep``: work items, every rank with every rank),
+through :func:`create_async_endpoint`.
 
 A builder is named by a ``"module:function"`` string, as vLLM's KV-connector
 factory names its connectors, and imported only when a connector is built:
@@ -28,10 +34,9 @@ if TYPE_CHECKING:
     import torch
 
     from vllm_afd.config import AFDConfig
+    from vllm_afd.connector.async_ep import AsyncEndpoint
     from vllm_afd.connector.connector import AFDConnector
     from vllm_afd.connector.protocol import Fingerprint
-
-    Builder = Callable[..., AFDConnector]
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,9 @@ class ConnectorSpec:
     aliases: tuple[str, ...]
     options: Mapping[str, Option]
     builder: str
+    asynchronous: bool = False
 
-    def load_builder(self) -> Builder:
+    def load_builder(self) -> Callable[..., Any]:
         """Import the builder (the connector's modules load only here)."""
         module, _, function = self.builder.partition(":")
         return getattr(importlib.import_module(module), function)
@@ -163,6 +169,22 @@ _SPECS: tuple[ConnectorSpec, ...] = (
             ),
         },
         builder="vllm_afd.connector.p2p:build",
+    ),
+    ConnectorSpec(
+        name="async",
+        aliases=(),
+        options={
+            **_TIMEOUTS,
+            "secret_file": Option(
+                str,
+                "",
+                "file holding the shared secret that authenticates the "
+                "rendezvous (or set AFD_SECRET); the same on every role",
+                check=_check_secret_file,
+            ),
+        },
+        builder="vllm_afd.connector.async_ep:build",
+        asynchronous=True,
     ),
 )
 _BY_NAME = {s.name: s for s in _SPECS}
@@ -288,34 +310,13 @@ def validate_extra_config(
     return out
 
 
-def create_connector(
-    config: AFDConfig,
-    role_rank: int,
-    fingerprint: Fingerprint,
-    device: torch.device | str = "cpu",
-    limits: ExchangeLimits | None = None,
-) -> AFDConnector:
-    """Build (not start) the connector endpoint of this process.
-
-    Args:
-        config: the parsed afd config (role, connector, address, topology).
-        role_rank: this endpoint's rank within its role.
-        fingerprint: this role's record of the model, topology and options;
-            the rendezvous compares it with the other role's and refuses the
-            pair naming every field that differs.
-        device: where exchanged tensors live (``cpu`` or a ``cuda`` device).
-        limits: sizes of the exchanges ahead (default :class:`ExchangeLimits`).
-
-    Raises:
-        AFDConfigError: bad rank or options.
-    """
-    import torch
-
-    from vllm_afd.topology import Topology
-
+def _checked(
+    config: AFDConfig, role_rank: int
+) -> tuple[ConnectorSpec, dict[str, Any], Any]:
+    """The connector's spec, its options with defaults, and the topology."""
     s = spec(config.connector)
     extra = validate_extra_config(s.name, config.connector_extra_config)
-    topology = Topology(config.num_attention_ranks, config.num_ffn_ranks)
+    topology = config.topology
     n = topology.num_ranks(config.role)
     if not 0 <= role_rank < n:
         raise AFDConfigError(
@@ -328,7 +329,61 @@ def create_connector(
             f"afd.rank={config_rank} but the connector was asked for "
             f"{config.role.value} rank {role_rank}"
         )
+    return s, extra, topology
+
+
+def create_connector(
+    config: AFDConfig,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    device: torch.device | str = "cpu",
+    limits: ExchangeLimits | None = None,
+) -> AFDConnector:
+    """Build (not start) the synchronous connector endpoint of this process.
+
+    Args:
+        config: the parsed afd config (role, connector, address, topology).
+        role_rank: this endpoint's rank within its role.
+        fingerprint: this role's record of the model, topology and options;
+            the rendezvous compares it with the other role's and refuses the
+            pair naming every field that differs.
+        device: where exchanged tensors live (``cpu`` or a ``cuda`` device).
+        limits: sizes of the exchanges ahead (default :class:`ExchangeLimits`).
+
+    Raises:
+        AFDConfigError: bad rank or options, or an asynchronous connector
+            (:func:`create_async_endpoint` builds those).
+    """
+    import torch
+
+    s, extra, topology = _checked(config, role_rank)
+    if s.asynchronous:
+        raise AFDConfigError(
+            f"connector {s.name!r} is asynchronous: build it with create_async_endpoint"
+        )
     dev = torch.device(device)
     limits = limits or ExchangeLimits(ubatches=getattr(config, "num_ubatches", 1))
     build = s.load_builder()
     return build(config, role_rank, fingerprint, dev, topology, extra, limits)
+
+
+def create_async_endpoint(
+    config: AFDConfig, role_rank: int, fingerprint: Fingerprint
+) -> AsyncEndpoint:
+    """Build (not start) this process's endpoint of the ``async`` connector
+    (``connector.async_ep``); arguments as :func:`create_connector`.
+
+    Raises:
+        AFDConfigError: bad rank or options, a synchronous connector, or more
+            FFN ranks than routed experts.
+    """
+    import torch
+
+    s, extra, topology = _checked(config, role_rank)
+    if not s.asynchronous:
+        raise AFDConfigError(f"connector {s.name!r} is not asynchronous")
+    build = s.load_builder()
+    return build(
+        config, role_rank, fingerprint, torch.device("cpu"), topology, extra,
+        ExchangeLimits(),
+    )  # fmt: skip

@@ -12,6 +12,8 @@
     leg 2 (attention a <-> ffn k, only for k > 0)
       ffn k --WELCOME--> attention a --JOIN(rank, session, auth)--> ffn k
       ffn k --ACCEPT--> attention a
+      (the ffn k of a's block; every k > 0 in an all-to-all topology, the
+      ``async`` connector's)
 
     data-plane setup (every control channel: attention a <-> its ffn rank)
       attention a --SETUP(offer)--> ffn k --SETUP(answer) | REJECT--> a
@@ -28,6 +30,9 @@ are not the protocol, fails at once: what listens there is not vllm-afd. A
 listener drops a connection that speaks something else, and refuses (only)
 an endpoint whose ``auth`` does not answer its nonce with the shared secret
 (``connector.auth``), logging both; neither stops the rendezvous.
+
+(Over 500 lines on purpose: both legs, the hub and the joiners, are one
+protocol whose every message is answered a few functions away.)
 """
 
 from __future__ import annotations
@@ -395,30 +400,61 @@ def join(
                 own, topo, rank, session, deadline, connect_timeout_s, secret
             )
             return Joined(session, local_host, chans, [hub])
-        k = topo.ffn_peer(rank)
-        if k == 0:
-            return Joined(session, local_host, [hub])
-        fhost, fport = accept["ffn_addrs"][k]
-        hint = (
-            f"It is the address ffn rank {k} announced: check that ffn rank {k} "
-            "is running and reachable from this host on any port"
-        )
-        sock = connect(fhost, fport, deadline, connect_timeout_s, hint)
-        ch = Channel(sock, f"ffn rank {k}")
+        ks = topo.ffn_peers(rank)
+        to_ffn: list[Channel] = []
         try:
-            welcome = _greeting(ch, fhost, fport, deadline)
-            ch.send(protocol.join(rank, session, _answer(welcome, secret, role, rank)))
+            for k in ks:
+                if k == 0:
+                    to_ffn.append(hub)
+                    continue
+                addr = accept["ffn_addrs"][k]
+                to_ffn.append(
+                    _join_ffn(
+                        k, addr, rank, session, deadline, connect_timeout_s, secret
+                    )
+                )
         except BaseException:
-            ch.close()
+            for ch in to_ffn:
+                if ch is not hub:
+                    ch.close()
             raise
-        _await_reply(ch, deadline, connect_timeout_s, "the JOIN reply")
-        return Joined(session, ch.sock.getsockname()[0], [ch], [hub])
+        if 0 in ks:
+            return Joined(session, local_host, to_ffn)
+        return Joined(session, to_ffn[0].sock.getsockname()[0], to_ffn, [hub])
     except BaseException:
         hub.close()
         raise
     finally:
         if own is not None:
             own.close()
+
+
+def _join_ffn(
+    k: int,
+    addr: list,
+    rank: int,
+    session: str,
+    deadline: float,
+    connect_timeout_s: float,
+    secret: bytes | None,
+) -> Channel:
+    """Attention rank ``rank``: leg 2 to FFN rank ``k > 0`` at ``addr``."""
+    fhost, fport = addr
+    hint = (
+        f"It is the address ffn rank {k} announced: check that ffn rank {k} "
+        "is running and reachable from this host on any port"
+    )
+    sock = connect(fhost, fport, deadline, connect_timeout_s, hint)
+    ch = Channel(sock, f"ffn rank {k}")
+    try:
+        welcome = _greeting(ch, fhost, fport, deadline)
+        role = AFDRole.ATTENTION
+        ch.send(protocol.join(rank, session, _answer(welcome, secret, role, rank)))
+        _await_reply(ch, deadline, connect_timeout_s, "the JOIN reply")
+    except BaseException:
+        ch.close()
+        raise
+    return ch
 
 
 def _accept_joins(

@@ -15,7 +15,12 @@ from collections import deque
 from typing import Any
 
 from vllm_afd.connector import protocol
-from vllm_afd.errors import AFDConnectorError, AFDPeerError, AFDTimeoutError
+from vllm_afd.errors import (
+    AFDConnectorError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+)
 
 _RETRY_S = 0.2
 #: seconds a control message may wait for room in the socket's send buffer
@@ -205,6 +210,22 @@ class Channel:
                     f"{self.peer}"
                 )
             select.select([self.sock], [], [], remaining)
+
+    def detach(self) -> tuple[socket.socket, bytes]:
+        """Hand the connection to another framing (the async connector's
+        frames after the rendezvous): the socket and the bytes read past the
+        last JSON frame.
+
+        Raises:
+            AFDProtocolError: a JSON message is still unread.
+        """
+        if self.inbox:
+            raise AFDProtocolError(
+                f"{self.peer} sent {self.inbox[0].get('type')} where a work "
+                "item belongs"
+            )
+        pending, self._buf = bytes(self._buf), bytearray()
+        return self.sock, pending
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -227,7 +227,9 @@ class DeploymentSpec:
             "port": self.afd_port,
             "num_attention_ranks": self.attention_ranks,
             "num_ffn_ranks": self.ffn_ranks,
-            "compute_gate_on_attention": self.gate_on_attention,
+            # the async connector routes on attention (its config implies it)
+            "compute_gate_on_attention": self.gate_on_attention
+            or self.connector == "async",
             "connector_extra_config": self._connector_extra(),
             **({"num_ubatches": self.ubatches} if split else {}),
             **({"attention_ranks_per_device": per_device} if per_device > 1 else {}),

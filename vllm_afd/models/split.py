@@ -115,7 +115,7 @@ def derive_split(
         ),
         top_k=_uniform({n: c.experts_per_token for n, c in configs.items()}, "top-k"),
         shared_experts=shared,
-        moe_output_parts=2 if shared and closing_add_fused(vllm_config) else 1,
+        moe_output_parts=2 if shared and _parts_apart(afd, vllm_config) else 1,
         prefixes=SplitPrefixes(
             moe_blocks=blocks,
             gates=gates,
@@ -123,6 +123,15 @@ def derive_split(
             routed_experts=tuple(runners),
         ),
     )
+
+
+def _parts_apart(afd: AFDConfig, vllm_config: VllmConfig) -> bool:
+    """Whether the FFN ships the shared and routed expert outputs apart: when
+    plain vLLM adds them unrounded (``moe_tail``), and when several FFN ranks
+    each return a part of the routed sum (``async``: the shared experts run
+    on one of them)."""
+    split_experts = afd.is_async and afd.num_ffn_ranks > 1
+    return split_experts or closing_add_fused(vllm_config)
 
 
 def _has_shared_experts(runner: nn.Module) -> bool:

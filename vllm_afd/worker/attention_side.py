@@ -15,9 +15,11 @@ from vllm_afd.compat import dp_vote
 from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.config import afd_config_of
 from vllm_afd.connector import factory
+from vllm_afd.connector.async_ep import AsyncAttention
 from vllm_afd.connector.connector import AFDConnector
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDError, AFDFFNUnavailable
+from vllm_afd.models.async_exchange import AsyncAttentionExchange
 from vllm_afd.models.exchange import (
     AttentionExchange,
     current_exchange,
@@ -173,6 +175,9 @@ class AttentionSideMixin(AFDRunnerMixin):
         warn_if_not_bit_exact(self.vllm_config, split)
         endpoint = open_endpoint(self.vllm_config, afd, split, self.device)
         self.afd_endpoint = endpoint
+        if afd.is_async:
+            self._afd_start_async(endpoint)
+            return
         link = None
         if endpoint.connector is not None:
             connector = endpoint.connector
@@ -196,6 +201,20 @@ class AttentionSideMixin(AFDRunnerMixin):
             on_step=self.afd_profiler.step,
             switch=UBatchSwitch() if afd.num_ubatches > 1 else None,
             link=link,
+        )
+        install_exchange(self.afd_exchange)
+
+    def _afd_start_async(self, endpoint: Endpoint) -> None:
+        """The ``async`` connector: no plans, no link (see
+        ``models.async_exchange``)."""
+        work = endpoint.work
+        assert isinstance(work, AsyncAttention)  # attention ranks have TP 1
+        self.afd_metrics = endpoint_publisher("attention", endpoint.role_rank, work)
+        self.afd_profiler = StepProfiler(
+            "attention", endpoint.role_rank, skip=envs.profile_skip()
+        )
+        self.afd_exchange = AsyncAttentionExchange(
+            work, endpoint.split.shared_experts, on_step=self.afd_profiler.step
         )
         install_exchange(self.afd_exchange)
 

@@ -18,6 +18,7 @@ from vllm.logger import init_logger
 
 from vllm_afd.config import AFDConfig
 from vllm_afd.connector import factory
+from vllm_afd.connector.async_ep import AsyncEndpoint
 from vllm_afd.connector.connector import AFDConnector
 from vllm_afd.connector.protocol import PROTOCOL_VERSION, Fingerprint
 from vllm_afd.models.layout import ModelSplit
@@ -31,7 +32,8 @@ logger = init_logger(__name__)
 class Endpoint:
     """This worker's AFD context, built once: its config, the model's split,
     its place in the deployment, the handshake fingerprint and its connector
-    (None on attention TP ranks other than 0)."""
+    (None on attention TP ranks other than 0): ``connector`` for the
+    synchronous exchange, ``work`` for the ``async`` one."""
 
     afd: AFDConfig
     split: ModelSplit
@@ -42,10 +44,13 @@ class Endpoint:
     connector: AFDConnector | None
     #: what sized the connector's buffers (a rejoin builds the same)
     limits: factory.ExchangeLimits = factory.ExchangeLimits()
+    work: AsyncEndpoint | None = None
 
     def close(self, reason: str | None = None) -> None:
         if self.connector is not None:
             self.connector.close(reason)
+        if self.work is not None:
+            self.work.close(reason)
 
 
 def fingerprint_of(
@@ -76,7 +81,7 @@ def open_endpoint(
 ) -> Endpoint:
     """Create and start this process's connector (TP rank 0 only)."""
     parallel = vllm_config.parallel_config
-    topology = Topology(afd.num_attention_ranks, afd.num_ffn_ranks)
+    topology = afd.topology
     tp_rank = get_tensor_model_parallel_rank()
     role_rank = endpoint_rank(
         topology,
@@ -92,7 +97,11 @@ def open_endpoint(
         ubatches=afd.num_ubatches,
     )
     connector = None
-    if role_rank is not None:
+    work = None
+    if role_rank is not None and afd.is_async:
+        work = factory.create_async_endpoint(afd, role_rank, fingerprint)
+        work.start()
+    elif role_rank is not None:
         connector = factory.create_connector(
             afd, role_rank, fingerprint, device, limits
         )
@@ -108,7 +117,7 @@ def open_endpoint(
         rank,
         topology.num_ranks(afd.role),
         tp_rank,
-        "" if connector is not None else ", follows tp rank 0",
+        "" if connector or work else ", follows tp rank 0",
         topology.name,
         "ffn" if afd.is_attention else "attention",
         list(peers),
@@ -118,4 +127,6 @@ def open_endpoint(
         PROTOCOL_VERSION,
         fingerprint.digest,
     )
-    return Endpoint(afd, split, topology, rank, tp_rank, fingerprint, connector, limits)
+    return Endpoint(
+        afd, split, topology, rank, tp_rank, fingerprint, connector, limits, work
+    )

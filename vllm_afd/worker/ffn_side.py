@@ -23,6 +23,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
 from vllm_afd.config import AFDConfig, afd_config_of
+from vllm_afd.connector.async_ep import AsyncFFN
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.connector.protocol import REJOIN
 from vllm_afd.errors import (
@@ -31,7 +32,8 @@ from vllm_afd.errors import (
     AFDPeerError,
     AFDTimeoutError,
 )
-from vllm_afd.worker.endpoint import open_endpoint
+from vllm_afd.worker.async_loop import AsyncFFNLoop
+from vllm_afd.worker.endpoint import Endpoint, open_endpoint
 from vllm_afd.worker.ffn_loop import FFNConnector, FFNLoop, StepGraphs
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
@@ -71,6 +73,7 @@ class FFNSideMixin(AFDRunnerMixin):
     before a native model runner (CPU V1 or CUDA V2)."""
 
     afd_loop: FFNLoop | None = None
+    afd_async_loop: AsyncFFNLoop | None = None
 
     def afd_start(self) -> None:
         vllm_config = self.vllm_config
@@ -79,10 +82,38 @@ class FFNSideMixin(AFDRunnerMixin):
             self._afd_compile_and_warm_up(afd)
         split = self.model.afd_split
         self.afd_endpoint = open_endpoint(vllm_config, afd, split, self.device)
+        if afd.is_async:
+            self._afd_serve_async(self.afd_endpoint)
+            return
         self.afd_profiler = StepProfiler(
             "ffn", self.afd_endpoint.role_rank, skip=envs.profile_skip()
         )
         self._afd_serve(self._afd_loop_connector())
+
+    def _afd_serve_async(self, endpoint: Endpoint) -> None:
+        """The ``async`` connector: serve work items (``worker.async_loop``)."""
+        work = endpoint.work
+        assert isinstance(work, AsyncFFN)  # FFN ranks have TP 1 on async
+        loop = self.afd_async_loop = AsyncFFNLoop(
+            work, self._afd_compute, on_exit=self._afd_async_loop_exited
+        )
+        self.afd_metrics = endpoint_publisher("ffn", endpoint.role_rank, work, loop)
+        loop.start()
+
+    def _afd_async_loop_exited(self, error: BaseException | None) -> None:
+        """Every attention rank shut down (the deployment stops) or one was
+        lost (an error): this FFN rank's server stops either way."""
+        loop = self.afd_async_loop
+        if loop is not None and loop.stopping:
+            return
+        if error is None and envs.keep_ffn_alive():
+            return
+        why = "attention peers shut down" if error is None else f"loop failed: {error}"
+        envs.note_stop(why, peer_died=isinstance(error, AFDPeerError))
+        endpoint = self.afd_endpoint
+        if endpoint is not None:
+            endpoint.close(f"ffn rank {endpoint.role_rank} stops: {why}")
+        self._afd_stop_server(why)
 
     def _afd_loop_connector(self) -> FFNConnector:
         """What the FFN loop talks to: the endpoint's connector, or with
@@ -264,4 +295,7 @@ class FFNSideMixin(AFDRunnerMixin):
         if self.afd_loop is not None:
             self.afd_loop.stop()
             self.afd_loop = None
+        if self.afd_async_loop is not None:
+            self.afd_async_loop.stop()
+            self.afd_async_loop = None
         super().afd_close()

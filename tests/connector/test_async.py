@@ -1,0 +1,325 @@
+"""The ``async`` connector over real TCP connections: work items, expert
+slices, combine, shutdown, a killed and a silent FFN rank, refusals.
+
+Endpoints run as threads of this process (a killed FFN rank as a process of
+its own) and rendezvous on a free loopback port. Each FFN rank computes its
+experts with a stand-in expert ``e(x) = (e + 1) * x + e``; every attention
+rank checks each layer's output against the sum over all its rows' experts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from _scenarios import free_port
+
+from vllm_afd.config import parse_afd_config
+from vllm_afd.connector import Fingerprint, Routing
+from vllm_afd.connector.async_ep import AsyncAttention, AsyncFFN, ExpertSlices
+from vllm_afd.connector.async_wire import FrameKind, FrameReader, encode_header
+from vllm_afd.connector.factory import create_async_endpoint, create_connector
+from vllm_afd.errors import (
+    AFDConfigError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+)
+
+H, K, E = 16, 2, 8
+LAYERS, STEPS = (1, 3), 3
+
+
+def _fp(a: int, f: int, top_k: int = K, parts: int = 1) -> Fingerprint:
+    return Fingerprint(
+        arch="TinyMoE", hidden_size=H, dtype="float32", num_layers=4,
+        moe_layers=LAYERS, num_experts=E, top_k=top_k, num_attention_ranks=a,
+        num_ffn_ranks=f, compute_gate_on_attention=True, connector="async",
+        moe_output_parts=parts, remote_layers=LAYERS,
+    )  # fmt: skip
+
+
+def _config(role: str, a: int, f: int, port: int, rank: int = 0, **extra: Any):
+    raw: dict[str, Any] = {
+        "role": role, "connector": "async", "port": port,
+        "num_attention_ranks": a, "num_ffn_ranks": f,
+        "connector_extra_config": {"timeout_s": 10.0, "connect_timeout_s": 30.0,
+                                   **extra},
+    }  # fmt: skip
+    if role == "ffn":
+        raw["rank"] = rank
+    return parse_afd_config(raw)
+
+
+def _endpoint(role: str, a: int, f: int, port: int, rank: int, **kw: Any):
+    fp_kw = {k: kw.pop(k) for k in ("top_k", "parts") if k in kw}
+    config = _config(role, a, f, port, rank, **kw)
+    return create_async_endpoint(config, rank, _fp(a, f, **fp_kw))
+
+
+def _expert_sum(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Σ_k w_k * ((id_k + 1) * x + id_k), in float32, in k order."""
+    out = torch.zeros_like(hidden, dtype=torch.float32)
+    ids = routing.topk_ids.long()
+    for k in range(ids.shape[1]):
+        e = ids[:, k : k + 1].float()
+        out += routing.topk_weights[:, k : k + 1] * ((e + 1) * hidden.float() + e)
+    return out.to(hidden.dtype)
+
+
+def _shared(hidden: torch.Tensor) -> torch.Tensor:
+    return 0.5 * hidden
+
+
+def _serve(ep: AsyncFFN, parts: int, seen: list, stop_after: int | None = None):
+    ep.start()
+    n = 0
+    while (item := ep.next_item()) is not None:
+        n += 1
+        seen.append((item.source, item.layer, item.hidden.shape[0], item.counts))
+        routed = _expert_sum(item.hidden, item.routing)
+        out = routed if parts == 1 else torch.cat([_shared(item.hidden), routed], 1)
+        ep.reply(item, out)
+        if stop_after is not None and n >= stop_after:
+            ep.close("stop for the test")
+            return
+
+
+def _inputs(rank: int, step: int, layer: int, tokens: int, only: int | None = None):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + layer)
+    hidden = torch.randn(tokens, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    if only is not None:  # every row on the experts of FFN rank `only` of 2
+        ids = ids % (E // 2) + only * (E // 2)
+        ids[:, 1] = ids[:, 0] + 1 - 2 * (ids[:, 0] % 2)  # a distinct expert
+    weights = torch.rand(tokens, K, generator=g)
+    return hidden, Routing(weights, ids.to(torch.int32))
+
+
+def _drive(ep: AsyncAttention, rank: int, parts: int, shared: bool, only=None):
+    ep.start()
+    worst = 0.0
+    for step in range(STEPS):
+        ep.note_step()
+        tokens = 3 + 2 * step + rank
+        for layer in LAYERS:
+            hidden, routing = _inputs(rank, step, layer, tokens, only)
+            out = ep.exchange(layer, hidden, routing, parts, shared, 10.0)
+            want = _expert_sum(hidden, routing)
+            if parts == 2:
+                want = torch.cat([_shared(hidden), want], 1)
+            assert out.shape == want.shape
+            worst = max(worst, float((out - want).abs().max()))
+    ep.close()
+    return worst
+
+
+def _run(a: int, f: int, parts: int = 1, shared: bool = False, only=None):
+    port = free_port()
+    seen: dict[int, list] = {r: [] for r in range(f)}
+    results: dict[str, Any] = {}
+
+    def guard(name: str, fn, *args):
+        try:
+            results[name] = fn(*args)
+        except BaseException as e:  # reported by the test
+            results[name] = e
+
+    ffns = [_endpoint("ffn", a, f, port, r, parts=parts) for r in range(f)]
+    atts = [_endpoint("attention", a, f, port, r, parts=parts) for r in range(a)]
+    threads = [
+        threading.Thread(target=guard, args=(f"ffn{r}", _serve, ep, parts, seen[r]))
+        for r, ep in enumerate(ffns)
+    ] + [
+        threading.Thread(
+            target=guard, args=(f"att{r}", _drive, ep, r, parts, shared, only)
+        )
+        for r, ep in enumerate(atts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "an endpoint did not finish in 60 s"
+    errors = {k: v for k, v in results.items() if isinstance(v, BaseException)}
+    assert not errors, errors
+    return results, seen
+
+
+@pytest.mark.parametrize("topo", ["1A1F", "2A1F", "1A2F", "2A2F", "3A2F", "1A3F"])
+def test_async_round_trip_every_topology(topo):
+    a, f = int(topo[0]), int(topo[2])
+    results, seen = _run(a, f)
+    worst = max(results[f"att{r}"] for r in range(a))
+    if f == 1:
+        assert worst == 0.0  # one rank: the same sum in the same order
+    else:
+        assert worst < 1e-5
+    # every FFN rank served items from every attention rank, rows of its own
+    # experts only (the stand-in would not match otherwise)
+    for r in range(f):
+        assert {src for src, *_ in seen[r]} == set(range(a)), (r, seen[r][:3])
+        lo, hi = ExpertSlices(E, f).bounds(r)
+        assert all(len(counts) == hi - lo for *_, counts in seen[r])
+
+
+def test_shared_experts_run_on_rank_0_and_routed_parts_add_up():
+    results, seen = _run(2, 2, parts=2, shared=True)
+    assert max(results["att0"], results["att1"]) < 1e-5
+    # rank 0 gets every row (shared experts), rank 1 only rows routed to it
+    for step in range(STEPS):
+        for rank in range(2):
+            tokens = 3 + 2 * step + rank
+            assert (rank, 1, tokens) in [s[:3] for s in seen[0]]
+
+
+def test_an_ffn_rank_no_row_chose_gets_no_item():
+    _, seen = _run(1, 2, only=0)
+    assert seen[1] == [] and len(seen[0]) == STEPS * len(LAYERS)
+    assert all(sum(counts) == tokens * K for _, _, tokens, counts in seen[0])
+
+
+def test_more_ffn_ranks_than_experts_are_refused():
+    with pytest.raises(AFDConfigError, match="exceeds the model's 2 routed experts"):
+        ExpertSlices(2, 3)
+    assert [ExpertSlices(8, 3).bounds(r) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+
+
+def test_config_implies_gate_on_attention_and_refuses_what_async_cannot_do():
+    cfg = parse_afd_config(
+        {"role": "attention", "connector": "async", "num_ffn_ranks": 2}
+    )
+    assert cfg.compute_gate_on_attention and cfg.is_async
+    assert cfg.topology.all_to_all and cfg.topology.ffn_peers(0) == (0, 1)
+    with pytest.raises(AFDConfigError, match="attention rank must route"):
+        parse_afd_config(
+            {"role": "ffn", "connector": "async", "compute_gate_on_attention": False}
+        )
+    with pytest.raises(AFDConfigError, match="does not split steps into micro"):
+        parse_afd_config({"role": "attention", "connector": "async", "num_ubatches": 2})
+    with pytest.raises(AFDConfigError, match="async connector allows fewer"):
+        parse_afd_config({"role": "attention", "num_ffn_ranks": 2})
+    with pytest.raises(AFDConfigError, match="create_async_endpoint"):
+        create_connector(cfg, 0, _fp(1, 2))
+    with pytest.raises(AFDConfigError, match="is not asynchronous"):
+        create_async_endpoint(parse_afd_config({"role": "ffn"}), 0, _fp(1, 1))
+
+
+def test_fingerprint_mismatch_fails_both_roles_naming_the_field():
+    port = free_port()
+    ffn = _endpoint("ffn", 1, 1, port, 0)
+    att = _endpoint("attention", 1, 1, port, 0, top_k=3)
+    errors: dict[str, BaseException] = {}
+
+    def start(name: str, ep) -> None:
+        try:
+            ep.start()
+        except BaseException as e:
+            errors[name] = e
+
+    threads = [threading.Thread(target=start, args=(n, ep)) for n, ep in
+               (("ffn", ffn), ("att", att))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(errors) == {"ffn", "att"}
+    for e in errors.values():
+        assert isinstance(e, AFDProtocolError) and "top_k" in str(e), e
+
+
+def _ffn_process(port: int, rank: int, die_after: int) -> None:
+    ep = _endpoint("ffn", 1, 2, port, rank)
+    ep.start()
+    for _ in range(die_after):
+        item = ep.next_item()
+        assert item is not None
+        ep.reply(item, _expert_sum(item.hidden, item.routing))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_ffn_rank_fails_the_exchange_at_once_naming_it():
+    port = free_port()
+    proc = mp.get_context("forkserver").Process(target=_ffn_process, args=(port, 1, 2))
+    proc.start()
+    ffn0 = _endpoint("ffn", 1, 2, port, 0)
+    served = threading.Thread(target=_serve, args=(ffn0, 1, []), daemon=True)
+    served.start()
+    att = _endpoint("attention", 1, 2, port, 0)
+    att.start()
+    try:
+        for step in range(2):
+            hidden, routing = _inputs(0, step, 1, 8)
+            att.exchange(1, hidden, routing, 1, False, 10.0)
+        hidden, routing = _inputs(0, 2, 1, 8)
+        start = time.monotonic()
+        gone = "ffn rank 1 (closed its connection|is unreachable)"  # EOF or EPIPE
+        with pytest.raises(AFDPeerError, match=gone):
+            att.exchange(1, hidden, routing, 1, False, 10.0)
+        assert time.monotonic() - start < 5.0  # EOF, not the timeout
+        with pytest.raises(Exception, match="failed earlier: ffn rank 1"):
+            att.exchange(1, hidden, routing, 1, False, 10.0)
+    finally:
+        att.close()
+        proc.join(10)
+        served.join(10)
+    assert not served.is_alive()  # FFN 0 ended with the attention rank's SHUTDOWN
+
+
+def test_a_silent_ffn_rank_times_out_after_timeout_s_naming_it():
+    port = free_port()
+    ffn = _endpoint("ffn", 1, 1, port, 0)
+    att = _endpoint("attention", 1, 1, port, 0)
+    starter = threading.Thread(target=ffn.start)
+    starter.start()
+    att.start()
+    starter.join(30)
+    hidden, routing = _inputs(0, 0, 1, 4)
+    start = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match=r"after 0.5s .* ffn rank 0 to layer 1"):
+        att.exchange(1, hidden, routing, 1, False, 0.5)
+    assert 0.5 <= time.monotonic() - start < 3.0
+    assert ffn.next_item() is not None  # it got the item, it just never replied
+    att.close()
+    assert ffn.next_item() is None  # the attention rank shut down
+    ffn.close()
+
+
+def test_close_from_another_thread_ends_an_idle_ffn_wait():
+    port = free_port()
+    ffn = _endpoint("ffn", 1, 1, port, 0)
+    att = _endpoint("attention", 1, 1, port, 0)
+    starter = threading.Thread(target=ffn.start)
+    starter.start()
+    att.start()
+    starter.join(30)
+    threading.Timer(0.3, ffn.close).start()
+    assert ffn.next_item() is None
+    att.close()
+
+
+def test_frames_refuse_another_protocol():
+    import socket
+
+    a, b = socket.socketpair()
+    a.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40)
+    b.setblocking(False)
+    with pytest.raises(AFDProtocolError, match="without the async connector's magic"):
+        FrameReader(b, "peer").read()
+    head = encode_header(
+        FrameKind.WORK, dtype=torch.bfloat16, layer=3, seq=7, tokens=0, cols=H,
+        top_k=K, counts=(1, 2), nbytes=0,
+    )  # fmt: skip
+    a.sendall(head)
+    frame = FrameReader(b, "peer").read()[0]
+    assert (frame.kind, frame.dtype, frame.layer, frame.seq, frame.counts) == (
+        FrameKind.WORK, torch.bfloat16, 3, 7, (1, 2),
+    )  # fmt: skip
+    a.close()
+    b.close()

@@ -1,0 +1,573 @@
+"""The ``async`` connector: expert-parallel work items, no step plans.
+
+Each FFN rank owns a contiguous slice of the routed experts
+(:class:`ExpertSlices`); the attention rank routes (the gate runs there) and
+sends each FFN rank a work item of the rows that chose one of its experts::
+
+    attention rank a (any A)                    ffn rank f (any F), experts [lo, hi)
+    -------------------------                   ------------------------------------
+    exchange(layer, hidden, routing):           loop:
+      per FFN rank f with rows for it:            item = next_item()  # any attention
+        rows of f (every row on rank 0 when       out = experts(item) # rank, arrival
+        the model has shared experts), their      reply(item, out)    # order
+        top-k: f's pairs, others weight 0 on
+        expert lo                 ── WORK ──▶
+      one REPLY per WORK sent     ◀── REPLY ──
+      add the routed parts in rank order (fp32), shared part from rank 0
+
+Nothing else crosses between steps: no plan, no lockstep between attention
+ranks through AFD, and an FFN rank that no row of a layer chose gets no item.
+The routing weights ride along (the FFN reduces over its experts, as vLLM's
+kernel does) and the attention rank adds the FFN ranks' partial sums.
+
+Exactness: with one FFN rank every row goes to it with its full routing, so
+the FFN runs vLLM's kernel on exactly what plain vLLM runs it on. With
+several, each rank's kernel sums its own experts and the attention rank adds
+the partial sums in float32 and rounds once: the same sum in another order,
+equal to plain vLLM's in float32 up to rounding (greedy output identical on
+the test models, logprobs within 1e-4), not bit for bit.
+
+Waits: an attention rank waits at most ``timeout_s`` (``warmup_timeout_s``
+for start-up forwards) for its replies, and sees at once an FFN rank that
+exited (EOF) or shut down. An FFN rank's wait for the next item is its idle
+state: it ends with an item, when every attention rank shut down or dropped
+its connection (an error naming the rank), or with :meth:`close`.
+
+Connections: the p2p rendezvous (``p2p_rendezvous``, all-to-all topology,
+fingerprints compared, shared secret) on ``afd.host:afd.port``; afterwards its
+TCP connections carry the binary frames of ``async_wire``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_afd.connector import auth, p2p_rendezvous
+from vllm_afd.connector.async_wire import (
+    Frame,
+    FrameKind,
+    FrameReader,
+    encode_header,
+    payload_bytes,
+    send_all,
+)
+from vllm_afd.connector.payloads import ConnectorStats, Routing
+from vllm_afd.connector.protocol import PROTOCOL_VERSION
+from vllm_afd.errors import (
+    AFDConfigError,
+    AFDConnectorError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+)
+from vllm_afd.roles import AFDRole
+
+if TYPE_CHECKING:
+    from vllm_afd.config import AFDConfig
+    from vllm_afd.connector.factory import ExchangeLimits
+    from vllm_afd.connector.p2p_wire import Channel
+    from vllm_afd.connector.protocol import Fingerprint
+    from vllm_afd.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+#: the FFN rank that runs the shared experts (it gets every row)
+SHARED_RANK = 0
+#: the items an exchange sent: (FFN rank, its rows or None for all, seq)
+Sent = list[tuple[int, torch.Tensor | None, int]]
+#: how long close() tries to hand a peer its SHUTDOWN
+_CLOSE_SEND_S = 1.0
+
+
+@dataclass(frozen=True)
+class ExpertSlices:
+    """Which FFN rank owns which routed experts: contiguous slices, the
+    first ``E mod F`` ranks one expert more."""
+
+    num_experts: int
+    num_ffn_ranks: int
+
+    def __post_init__(self) -> None:
+        if self.num_experts < self.num_ffn_ranks:
+            raise AFDConfigError(
+                f"afd.num_ffn_ranks={self.num_ffn_ranks} exceeds the model's "
+                f"{self.num_experts} routed experts: with the async connector "
+                "each FFN rank owns at least one expert"
+            )
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """``[lo, hi)``: the experts of FFN rank ``rank``."""
+        q, m = divmod(self.num_experts, self.num_ffn_ranks)
+        lo = rank * q + min(rank, m)
+        return lo, lo + q + (rank < m)
+
+    def owners(self) -> torch.Tensor:
+        """``[E]`` int64: the FFN rank of each expert."""
+        return torch.cat(
+            [
+                torch.full((hi - lo,), f, dtype=torch.int64)
+                for f in range(self.num_ffn_ranks)
+                for lo, hi in [self.bounds(f)]
+            ]
+        )
+
+
+@dataclass
+class WorkItem:
+    """One work item as an FFN rank receives it.
+
+    Attributes:
+        source: the attention rank that sent it.
+        layer: decoder layer.
+        seq: the sender's item counter (the reply echoes it).
+        hidden: ``[T, H]`` rows.
+        routing: their ``[T, K]`` top-k, every id an expert of this rank.
+        counts: rows routed to each local expert, in expert order.
+    """
+
+    source: int
+    layer: int
+    seq: int
+    hidden: torch.Tensor
+    routing: Routing
+    counts: tuple[int, ...]
+
+
+class _Link:
+    """One connection of an endpoint to a peer, in async frames."""
+
+    def __init__(self, channel: Channel) -> None:
+        sock, pending = channel.detach()
+        self.peer = channel.peer
+        self.sock = sock
+        self.reader = FrameReader(sock, channel.peer, pending)
+        self.lock = threading.Lock()  # one sender at a time
+        self.seq = 0  # attention: items sent; ffn: not used
+
+    def send(self, parts: list[bytes | memoryview], deadline: float) -> int:
+        with self.lock:
+            return send_all(self.sock, parts, deadline, self.peer)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class AsyncEndpoint:
+    """What both roles share: the rendezvous, the links, the counters."""
+
+    def __init__(
+        self,
+        config: AFDConfig,
+        role_rank: int,
+        fingerprint: Fingerprint,
+        topology: Topology,
+        extra: dict[str, Any],
+    ) -> None:
+        self.name = "async"
+        self.role = config.role
+        self.role_rank = role_rank
+        self.topology = topology
+        self.fingerprint = fingerprint
+        self.device = torch.device("cpu")
+        self.host, self.port = config.host, config.port
+        self.timeout_s: float = extra["timeout_s"]
+        self.warmup_timeout_s: float = max(self.timeout_s, extra["warmup_timeout_s"])
+        self.connect_timeout_s: float = extra["connect_timeout_s"]
+        self.secret = auth.load_secret(extra["secret_file"])
+        self.slices = ExpertSlices(fingerprint.num_experts, topology.num_ffn_ranks)
+        self.links: list[_Link] = []
+        self._members: list[Channel] = []
+        self._steps = self._a2f = self._f2a = self._errors = 0
+        self._wait_s = 0.0
+        self._closed = False
+        self._started = False
+
+    @property
+    def stats(self) -> ConnectorStats:
+        return ConnectorStats(
+            self._steps, self._a2f, self._f2a, self._wait_s, self._errors
+        )
+
+    def start(self) -> None:
+        """Rendezvous (at most ``connect_timeout_s``), then switch every
+        connection to work-item frames.
+
+        Raises: AFDProtocolError (fingerprints differ: the fields), AFDTimeoutError
+        (a peer never came), AFDConnectorError.
+        """
+        if self._started:
+            raise AFDConnectorError("start() was already called")
+        self._started = True
+        fp, topo = self.fingerprint, self.topology
+        try:
+            if self.role is AFDRole.FFN and self.role_rank == 0:
+                joined = p2p_rendezvous.serve(
+                    self.host, self.port, topo, fp, self.connect_timeout_s,
+                    self.secret,
+                )  # fmt: skip
+            else:
+                joined = p2p_rendezvous.join(
+                    self.host, self.port, topo, self.role, self.role_rank, fp,
+                    self.connect_timeout_s, self.secret,
+                )  # fmt: skip
+        except BaseException:
+            self._errors += 1
+            raise
+        self._members = joined.members
+        self.links = [_Link(ch) for ch in joined.channels]
+        logger.info(
+            "AFD async connector up: %s rank %d, peers %s, topology %s (all to "
+            "all), experts %s of %d, protocol %d, fingerprint %s",
+            self.role.value, self.role_rank, [link.peer for link in self.links],
+            topo.name, self._my_experts(), self.slices.num_experts,
+            PROTOCOL_VERSION, fp.digest,
+        )  # fmt: skip
+
+    def _my_experts(self) -> str:
+        if self.role is AFDRole.ATTENTION:
+            return "all routed by this rank"
+        lo, hi = self.slices.bounds(self.role_rank)
+        return f"{lo}..{hi - 1}"
+
+    def note_step(self) -> None:
+        """Count one forward step (attention) for the counters."""
+        self._steps += 1
+
+    def close(self, reason: str | None = None) -> None:
+        """Tell every peer (SHUTDOWN) and drop the connections; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        why = (reason or f"{self.role.value} rank {self.role_rank} closed").encode()
+        head = encode_header(FrameKind.SHUTDOWN, nbytes=len(why))
+        deadline = time.monotonic() + _CLOSE_SEND_S
+        for link in self.links:
+            with contextlib.suppress(AFDConnectorError):
+                link.send([head, why], deadline)
+            link.close()
+        for ch in self._members:
+            ch.close()
+
+
+class AsyncAttention(AsyncEndpoint):
+    """An attention rank's endpoint: dispatch by expert owner, combine."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._owners = self.slices.owners()
+        self._failure: str | None = None
+
+    def exchange(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        routing: Routing,
+        parts: int,
+        shared_experts: bool,
+        timeout_s: float,
+    ) -> torch.Tensor:
+        """The MoE output parts of ``hidden [T, H]`` routed by ``routing``:
+        ``[T, parts * H]`` (``parts`` 2: shared | routed, added by the caller).
+
+        Raises:
+            AFDTimeoutError: a reply took longer than ``timeout_s``.
+            AFDPeerError: an FFN rank exited, shut down or broke the protocol.
+        """
+        if self._failure is not None:
+            raise AFDConnectorError(
+                f"the async connector failed earlier: {self._failure}"
+            )
+        if parts == 1 and shared_experts and len(self.links) > 1:
+            raise AFDConnectorError(
+                "shared experts with several FFN ranks need the shared and routed "
+                "outputs apart (moe_output_parts=2); the role split sets it"
+            )
+        try:
+            sent = self._dispatch(layer, hidden, routing, shared_experts, timeout_s)
+            replies = self._collect(layer, sent, timeout_s)
+        except AFDConnectorError as e:
+            self._errors += 1
+            self._failure = str(e)
+            raise
+        return _combine(hidden, sent, replies, parts)
+
+    def _dispatch(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        routing: Routing,
+        shared_experts: bool,
+        timeout_s: float,
+    ) -> Sent:
+        """Send each FFN rank its work item; ``(rank, rows or None for all,
+        seq)`` of each sent, in rank order."""
+        ids, weights = routing.topk_ids, routing.topk_weights
+        tokens, top_k = ids.shape
+        owner = self._owners[ids.long()]
+        deadline = time.monotonic() + timeout_s
+        sent = []
+        for f, link in enumerate(self.links):
+            local = owner == f
+            if len(self.links) == 1 or (shared_experts and f == SHARED_RANK):
+                rows = None
+            else:
+                chosen = local.any(dim=1)
+                if not bool(chosen.any()):
+                    continue
+                rows = chosen.nonzero().squeeze(1)
+                if rows.numel() == tokens:
+                    rows = None
+            lo, hi = self.slices.bounds(f)
+            mine = _pick(local, rows)
+            ids_f = torch.where(mine, _pick(ids, rows), lo).to(torch.int32)
+            w_f = torch.where(mine, _pick(weights, rows), 0.0).to(torch.float32)
+            counts = torch.bincount(ids_f[mine].long() - lo, minlength=hi - lo)
+            h_f = _pick(hidden, rows)
+            link.seq += 1
+            body = payload_bytes(h_f, ids_f, w_f)
+            nbytes = sum(len(b) for b in body)
+            head = encode_header(
+                FrameKind.WORK, dtype=hidden.dtype, layer=layer, seq=link.seq,
+                tokens=h_f.shape[0], cols=h_f.shape[1], top_k=top_k,
+                counts=tuple(int(c) for c in counts), nbytes=nbytes,
+            )  # fmt: skip
+            link.send([head, *body], deadline)
+            self._a2f += nbytes
+            sent.append((f, rows, link.seq))
+        return sent
+
+    def _collect(
+        self,
+        layer: int,
+        sent: Sent,
+        timeout_s: float,
+    ) -> dict[int, torch.Tensor]:
+        """One REPLY per item sent: ``{rank: out [T_f, C]}``."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        expect = {f: seq for f, _, seq in sent}
+        got: dict[int, torch.Tensor] = {}
+        try:
+            while len(got) < len(expect):
+                waiting = [f for f in expect if f not in got]
+                for f in waiting:
+                    for frame in self.links[f].reader.read():
+                        got[f] = self._reply_of(f, frame, layer, expect[f])
+                    if f not in got and self.links[f].reader.eof:
+                        raise AFDPeerError(
+                            f"ffn rank {f} closed its connection (it exited or "
+                            f"was killed) before replying to layer {layer}"
+                        )
+                if len(got) == len(expect):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    names = ", ".join(f"ffn rank {f}" for f in expect if f not in got)
+                    raise AFDTimeoutError(
+                        f"timed out after {timeout_s:g}s waiting for the reply of "
+                        f"{names} to layer {layer} (hung, stopped or overloaded)"
+                    )
+                socks = [self.links[f].sock for f in expect if f not in got]
+                select.select(socks, [], [], remaining)
+        finally:
+            self._wait_s += time.monotonic() - start
+        return got
+
+    def _reply_of(self, f: int, frame: Frame, layer: int, seq: int) -> torch.Tensor:
+        if frame.kind is FrameKind.SHUTDOWN:
+            raise AFDPeerError(f"ffn rank {f} shut down ({frame.reason})")
+        if (
+            frame.kind is not FrameKind.REPLY
+            or frame.seq != seq
+            or frame.layer != layer
+        ):
+            raise AFDProtocolError(
+                f"ffn rank {f} sent {frame.kind.name} for layer {frame.layer} item "
+                f"{frame.seq} where the reply to layer {layer} item {seq} belongs"
+            )
+        self._f2a += frame.payload.numel()
+        return frame.tensors()[0]
+
+
+def _pick(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(0, rows)
+
+
+def _combine(
+    hidden: torch.Tensor,
+    sent: Sent,
+    replies: dict[int, torch.Tensor],
+    parts: int,
+) -> torch.Tensor:
+    """``[T, parts * H]`` from the replies: the routed parts added in rank
+    order in float32 and rounded once; the shared part from its rank."""
+    if len(sent) == 1 and sent[0][1] is None:
+        return replies[sent[0][0]]  # one rank had every row: its output as is
+    tokens, width = hidden.shape
+    routed = torch.zeros(tokens, width, dtype=torch.float32)
+    out = hidden.new_empty((tokens, parts * width))
+    for f, rows, _ in sent:
+        reply = replies[f]
+        part = reply[:, (parts - 1) * width :].float()
+        if rows is None:
+            routed += part
+        else:
+            routed.index_add_(0, rows, part)
+        if parts == 2 and f == SHARED_RANK:
+            out[:, :width] = reply[:, :width]  # rank 0 had every row
+    out[:, (parts - 1) * width :] = routed
+    return out
+
+
+class AsyncFFN(AsyncEndpoint):
+    """An FFN rank's endpoint: work items from any attention rank, in
+    arrival order (a receiving thread reads every connection as frames come,
+    so a sender never waits on this rank's compute)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._items: queue.Queue[WorkItem | BaseException | None] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        self.lo, self.hi = self.slices.bounds(self.role_rank)
+        #: attention rank -> the reason it shut down with
+        self.shut_down: dict[int, str] = {}
+
+    def start(self) -> None:
+        super().start()
+        self._thread = threading.Thread(
+            target=self._receive, name="afd-async-recv", daemon=True
+        )
+        self._thread.start()
+
+    def _receive(self) -> None:
+        """Read frames from every attention rank until all shut down."""
+        live = set(range(len(self.links)))
+        try:
+            while live and not self._closed:
+                socks = [self.links[a].sock for a in sorted(live)]
+                watched: list[Any] = [self._wake_r, *socks]
+                ready, _, _ = select.select(watched, [], [])
+                if self._wake_r in ready or self._closed:
+                    break
+                for a in sorted(live):
+                    link = self.links[a]
+                    if link.sock not in ready:
+                        continue
+                    for frame in link.reader.read():
+                        if frame.kind is FrameKind.SHUTDOWN:
+                            self.shut_down[a] = frame.reason
+                            live.discard(a)
+                        elif frame.kind is FrameKind.WORK:
+                            self._items.put(self._item(a, frame))
+                        else:
+                            raise AFDProtocolError(
+                                f"attention rank {a} sent {frame.kind.name} where "
+                                "work items belong"
+                            )
+                    if a in live and link.reader.eof:
+                        raise AFDPeerError(
+                            f"attention rank {a} closed its connection without "
+                            "SHUTDOWN (it exited or was killed)"
+                        )
+        except BaseException as e:  # handed to the loop: next_item raises it
+            self._errors += 1
+            self._items.put(e)
+            return
+        self._items.put(None)
+
+    def _item(self, a: int, frame: Frame) -> WorkItem:
+        hidden, ids, weights = frame.tensors()
+        if ids.numel() and (int(ids.min()) < self.lo or int(ids.max()) >= self.hi):
+            raise AFDProtocolError(
+                f"attention rank {a} routed rows of layer {frame.layer} to experts "
+                f"{int(ids.min())}..{int(ids.max())}, but ffn rank {self.role_rank} "
+                f"owns experts {self.lo}..{self.hi - 1}: the roles disagree on "
+                "the expert slices"
+            )
+        self._a2f += frame.payload.numel()
+        return WorkItem(
+            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts
+        )
+
+    def next_item(self) -> WorkItem | None:
+        """The next work item from any attention rank (blocks while idle);
+        None once every attention rank shut down or :meth:`close` was called.
+
+        Raises:
+            AFDPeerError: an attention rank dropped its connection.
+            AFDProtocolError: one sent something else than work items.
+        """
+        start = time.monotonic()
+        got = self._items.get()
+        self._wait_s += time.monotonic() - start
+        if got is None or isinstance(got, BaseException):
+            self._items.put(got)  # later calls see the same end
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def reply(self, item: WorkItem, out: torch.Tensor) -> None:
+        """Send ``out [T, C]`` back to the item's attention rank (at most
+        ``timeout_s`` for it to read).
+
+        Raises:
+            AFDPeerError: the attention rank is gone or reads nothing.
+        """
+        body = payload_bytes(out)
+        nbytes = sum(len(b) for b in body)
+        head = encode_header(
+            FrameKind.REPLY, dtype=out.dtype, layer=item.layer, seq=item.seq,
+            tokens=out.shape[0], cols=out.shape[1], nbytes=nbytes,
+        )  # fmt: skip
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            self.links[item.source].send([head, *body], deadline)
+        except AFDConnectorError:
+            self._errors += 1
+            raise
+        self._f2a += nbytes
+        self._steps += 1
+
+    def close(self, reason: str | None = None) -> None:
+        if not self._closed:
+            super().close(reason)
+            os.write(self._wake_w, b"x")
+            self._items.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    def __del__(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def build(
+    config: AFDConfig,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    device: torch.device,
+    topology: Topology,
+    extra: dict[str, Any],
+    limits: ExchangeLimits,
+) -> AsyncEndpoint:
+    """Factory hook for ``async`` (CPU tensors only)."""
+    if device.type != "cpu":
+        raise AFDConfigError(
+            f"afd.connector='async' moves CPU tensors; this endpoint's device is "
+            f"{device}"
+        )
+    cls = AsyncAttention if config.role is AFDRole.ATTENTION else AsyncFFN
+    return cls(config, role_rank, fingerprint, topology, extra)

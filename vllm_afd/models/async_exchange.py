@@ -1,0 +1,95 @@
+"""The attention role's side of the ``async`` connector.
+
+The model's MoE proxies call the same custom op as with the synchronous
+connector (``exchange.ffn_exchange_routed``: the gate runs here); this
+exchange answers it without step plans::
+
+    forward(input_ids, positions)      <- begin_step: counts the step, sends nothing
+      layer i: attention ... MoE proxy <- exchange(hidden [T, H], i, routing):
+                                          a work item to each FFN rank owning
+                                          experts of these rows, their replies
+                                          added (``connector.async_ep``)
+
+A forward that cannot finish its exchanges (an FFN rank exited, shut down,
+or did not answer in ``timeout_s``) raises: the engine stops, its in-flight
+requests fail and ``vllm-afd launch`` stops the deployment naming the
+cause. (The synchronous connector's rejoin of a lost FFN rank is not
+implemented for ``async``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vllm_afd.connector.async_ep import AsyncAttention
+from vllm_afd.connector.payloads import Routing
+from vllm_afd.connector.protocol import ExecMode, StepPlan
+from vllm_afd.errors import AFDConnectorError
+from vllm_afd.models.exchange import AttentionExchange
+
+
+class AsyncAttentionExchange(AttentionExchange[Any]):
+    """Per-process state of an attention rank on the ``async`` connector.
+
+    Args:
+        endpoint: the started endpoint (None on TP ranks other than 0,
+            which the config refuses for ``async``).
+        shared_experts: the model's MoE layers have shared experts (they run
+            on FFN rank 0, which then gets every row).
+        on_step: called with each step's record (the profiler).
+    """
+
+    def __init__(
+        self,
+        endpoint: AsyncAttention | None,
+        shared_experts: bool,
+        on_step: Callable[[StepPlan], None] | None = None,
+    ) -> None:
+        super().__init__(None, on_step=on_step)
+        self.endpoint = endpoint
+        self.is_endpoint = endpoint is not None
+        self.shared_experts = shared_experts
+        self._mode = ExecMode.WARMUP
+        # A served (EAGER) step finished its exchanges: from then on an
+        # exchange waits timeout_s (before: warmup_timeout_s, as the FFN may
+        # compile shapes it meets for the first time).
+        self._served = False
+
+    def begin_step(
+        self, tokens: int | Sequence[int], mode: ExecMode = ExecMode.EAGER
+    ) -> None:
+        """Count the step: the async exchange sends no plan."""
+        ubatch_tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
+        with self._lock:
+            if self._mode is ExecMode.EAGER and self.step_id > 0:
+                self._served = True
+            self.step_id += 1
+            self._mode = mode
+            if self.on_step is not None:
+                self.on_step(StepPlan(self.step_id, mode, ubatch_tokens))
+            if self.endpoint is not None:
+                self.endpoint.note_step()
+
+    def exchange(
+        self,
+        hidden: torch.Tensor,
+        layer_idx: int,
+        routing: Routing | None = None,
+        parts: int = 1,
+    ) -> torch.Tensor:
+        if routing is None:
+            raise AFDConnectorError(
+                f"layer {layer_idx}: the async connector exchanges MoE layers "
+                "routed on attention only (dense layers stay on attention)"
+            )
+        endpoint = self.endpoint
+        assert endpoint is not None  # one TP rank per attention rank
+        slow = self._mode is not ExecMode.EAGER or not self._served
+        timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
+        return endpoint.exchange(
+            layer_idx, hidden.contiguous(), routing, parts, self.shared_experts,
+            timeout_s,
+        )  # fmt: skip
