@@ -1,18 +1,25 @@
 """Every model family through the one generic role split, exact against plain vLLM.
 
 For each family ``vllm-afd tiny-model`` writes (3 layers; layer 0 dense where
-the family has dense layers): AFD 1A1F (Qwen2-MoE: 2A1F) with the gate on the
-attention role, and Mixtral also with the gate on the FFN role, each compared
-token-for-token (and top-5 logprobs) with one plain vLLM server of the same
-model and settings (fp32, eager). Each deployment also proves the role split
-from the roles' own start-up lines: the attention role holds no expert weights,
-the FFN role no attention, embedding, norm or lm_head weights, and both read
-the same split from what vLLM built. DeepSeek-V2/V3 run the same split in
+the family has dense layers), with the gate on the attention role: Mixtral
+1A1F and Qwen2-MoE 2A1F on the synchronous connector (``p2p``), Qwen3-MoE
+1A2F and GLM-4.5 2A2F on the ``async`` connector (the routed experts split
+over the two FFN ranks; GLM-4.5's shared experts on FFN rank 0); and Mixtral
+also with the gate on the FFN role. Each is compared token-for-token (and
+top-5 logprobs) with one plain vLLM server of the same model and settings
+(fp32, eager) on 16 prompts of 1 to 200 tokens sent at once (long prefills
+beside decodes). Each deployment also proves the role split from the roles'
+own start-up lines: the attention role holds no expert weights, the FFN role
+no attention, embedding, norm or lm_head weights, both read the same split
+from what vLLM built, and an ``async`` FFN rank keeps its own half of the
+routed experts only. DeepSeek-V2/V3 run the same split in
 ``test_exact_1a1f.py``, ``test_gate_on_attention.py`` and
 ``test_scale_out.py``.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from harness import (
@@ -34,37 +41,56 @@ LAYOUTS = {
     "glm4_moe": ([1, 2], [0]),  # grouped sigmoid top-k + bias, scaling 2.5
 }
 
-# (family, attention ranks, gate on attention): every family with the gate on
-# the attention role, where the split is the family's own (its router taken
-# out of the MoE block, routing payloads sent); one of them (Qwen2-MoE: a
-# shared expert with its own gate) with two attention ranks merged on the FFN
-# (routing payloads of two ranks). With the gate on the FFN role the FFN runs
-# the family's MoE block as vLLM built it: Mixtral here (its router runs
-# before the fused-MoE runner, no shared experts), Qwen3-MoE in
-# test_faults.py (1A1F, 2A1F) and test_multi_host.py, DeepSeek-V2/V3 in
-# test_exact_1a1f.py. The merge itself is family-independent (tests/connector
-# contract suite, 2A1F in test_faults.py).
-CASES = [("mixtral", 1, False)] + [
-    (f, 2 if f == "qwen2_moe" else 1, True) for f in LAYOUTS
+#: each family's routed experts (``vllm-afd tiny-model``)
+EXPERTS = {"qwen3_moe": 8, "qwen2_moe": 8, "mixtral": 8, "glm4_moe": 16}
+
+# (family, attention ranks, FFN ranks, gate on attention, connector): every
+# family with the gate on the attention role, where the split is the family's
+# own (its router taken out of the MoE block, routing payloads sent): two on
+# the synchronous connector, one of them (Qwen2-MoE: a shared expert with its
+# own gate) with two attention ranks merged on the FFN (routing payloads of
+# two ranks); two on the async one, experts split over two FFN ranks. With the
+# gate on the FFN role the FFN runs the family's MoE block as vLLM built it:
+# Mixtral here (its router runs before the fused-MoE runner, no shared
+# experts), Qwen3-MoE in test_faults.py (1A1F, 2A1F) and test_multi_host.py,
+# DeepSeek-V2/V3 in test_exact_1a1f.py. The merge itself is
+# family-independent (tests/connector contract suite, 2A1F in test_faults.py).
+CASES = [
+    ("mixtral", 1, 1, False, "p2p"),
+    ("mixtral", 1, 1, True, "p2p"),
+    ("qwen2_moe", 2, 1, True, "p2p"),
+    ("qwen3_moe", 1, 2, True, "async"),
+    ("glm4_moe", 2, 2, True, "async"),
 ]
+
 
 #: with 2 attention ranks the FFN's merged batch holds other rows than plain
 #: vLLM's one batch, and CPU fp32 GEMMs of another row count may round
-#: differently (see test_scale_out.py); token ids must still be identical.
-ATOL = {1: 1e-5, 2: 1e-4}
+#: differently (see test_scale_out.py); with experts split over FFN ranks the
+#: attention rank adds their partial sums (another order of the same sum);
+#: token ids must still be identical.
+def _atol(attention_ranks: int, ffn_ranks: int) -> float:
+    return 1e-5 if attention_ranks == ffn_ranks == 1 else 1e-4
 
 
 @pytest.mark.parametrize(
-    "family,ranks,gate_on_attention",
+    "family,ranks,ffn_ranks,gate_on_attention,connector",
     CASES,
-    ids=[f"{f}-{a}A1F-gate_on_{'attention' if g else 'ffn'}" for f, a, g in CASES],
+    ids=[
+        f"{f}-{a}A{n}F-{c}-gate_on_{'attention' if g else 'ffn'}"
+        for f, a, n, g, c in CASES
+    ],
 )
-def test_family_exact_and_role_split(family_models, family, ranks, gate_on_attention):
+def test_family_exact_and_role_split(
+    family_models, family, ranks, ffn_ranks, gate_on_attention, connector
+):
     spec = make_spec(
         family_models[family],
         ["--dtype", "float32", "--enforce-eager"],
         attention_ranks=ranks,
+        ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,
+        connector=connector,
     )
     texts = prompts(16)  # test_faults.py and test_multi_host.py's workload
     run = afd_vs_plain(spec, texts)  # plain vLLM once per family (harness)
@@ -77,10 +103,11 @@ def test_family_exact_and_role_split(family_models, family, ranks, gate_on_atten
         for role, (_, groups) in lines.items()
     }
     FAMILY_RESULTS.append(
-        f"{family} {ranks}A1F gate on {'attention' if gate_on_attention else 'ffn'}: "
-        f"{same}/{len(texts)} identical; bytes {held}"
+        f"{family} {ranks}A{ffn_ranks}F {connector} gate on "
+        f"{'attention' if gate_on_attention else 'ffn'}: {same}/{len(texts)} "
+        f"identical; bytes {held}"
     )
-    assert_same_outputs(run.afd, run.plain, atol=ATOL[ranks])
+    assert_same_outputs(run.afd, run.plain, atol=_atol(ranks, ffn_ranks))
 
     assert set(lines) == {"attention", "ffn"}, run.log[-3000:]
     (att_split, att), (ffn_split, ffn) = lines["attention"], lines["ffn"]
@@ -100,3 +127,19 @@ def test_family_exact_and_role_split(family_models, family, ranks, gate_on_atten
     assert ffn["routed_experts"] > 0 and (ffn["gate"] > 0) != gate_on_attention
     assert (ffn["dense_mlp"] > 0) == (not gate_on_attention and bool(dense)), ffn
     assert (ffn["shared_experts"] > 0) == (family in ("qwen2_moe", "glm4_moe"))
+
+    if connector == "async":
+        _check_expert_slices(run.log, EXPERTS[family], ffn_ranks)
+
+
+def _check_expert_slices(log: str, experts: int, ffn_ranks: int) -> None:
+    """Each async FFN rank announced its slice and kept its weights only."""
+    per = experts // ffn_ranks
+    want = {str(k): f"{k * per}..{(k + 1) * per - 1}" for k in range(ffn_ranks)}
+    up = re.findall(r"AFD async connector up: ffn rank (\d+),.*experts (\d+\.\.\d+)",
+                    log)  # fmt: skip
+    assert dict(up) == want, up
+    kept = re.findall(r"ffn rank (\d+) keeps routed experts (\d+\.\.\d+) of "
+                      r"\d+: (\d+) of (\d+) bytes", log)  # fmt: skip
+    assert {k: s for k, s, _, _ in kept} == want, kept
+    assert all(ffn_ranks * int(k) == int(b) for _, _, k, b in kept), kept

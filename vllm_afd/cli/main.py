@@ -7,6 +7,7 @@
     vllm-afd tiny-model DIR …            write a small random-weight DeepSeek
     vllm-afd demo                        serve a tiny model with AFD and compare
     vllm-afd bench …                     decode benchmark against plain vLLM
+    vllm-afd bench-ttft MODEL …          time to first token under load, per connector
     vllm-afd plan MODEL …                which A:F ratio pays, measured and predicted
 """
 
@@ -33,7 +34,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_afd.cli import bench, demo, launch, plan
+    from vllm_afd.cli import bench, bench_ttft, demo, launch, plan
     from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
 
     parser = argparse.ArgumentParser(
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_parser(sub)
     bench.add_parser(sub)
+    bench_ttft.add_parser(sub)
     plan.add_parser(sub)
     return parser
 

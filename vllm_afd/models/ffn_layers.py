@@ -117,12 +117,17 @@ class FFNLayers:
     def __init__(self, model: nn.Module, split: ModelSplit, afd: AFDConfig) -> None:
         self.split = split
         self.shipped: dict[int, ShippedRouting] = {}
+        self.runners: dict[int, Any] = {}
+        #: the first expert this rank holds (``keep_experts``): shipped ids
+        #: are global, the kernel's local
+        self.first_expert = 0
         self.layers: dict[int, LayerFn] = {}
         self.compiled: dict[int, LayerFn] = {}
         gate_on_attn = afd.compute_gate_on_attention
         for name in split.prefixes.routed_experts:
             runner = model.get_submodule(name)
             idx = layer_index(name)
+            self.runners[idx] = runner
             if gate_on_attn:
                 _check_routable(name, runner)
                 self.shipped[idx] = ShippedRouting(runner.router)
@@ -143,11 +148,57 @@ class FFNLayers:
         from attention (``topk_weights``/``topk_ids [T, K]``) for MoE layers
         when the gate runs there. MoE layers return ``[T, parts * H]``."""
         if routing is not None:
-            self.shipped[layer_idx].use(routing.topk_weights, routing.topk_ids)
+            ids = routing.topk_ids
+            if self.first_expert:
+                ids = ids - self.first_expert
+            self.shipped[layer_idx].use(routing.topk_weights, ids)
         fn = self.compiled.get(layer_idx)
         if fn is None:
             fn = self.layers[layer_idx]
         return fn(hidden)
+
+    def keep_experts(
+        self, lo: int, hi: int, keep_shared: bool = True
+    ) -> tuple[int, int]:
+        """Keep the weights of routed experts ``[lo, hi)`` only (the ``async``
+        connector's expert slice of this FFN rank); the kernel then indexes
+        them ``0..hi-lo-1`` and :meth:`compute` shifts the shipped ids.
+        Without ``keep_shared`` the shared experts go too: they return zeros
+        (another FFN rank runs them; the attention rank reads its output).
+
+        Returns:
+            Bytes of routed-expert weights (kept, before).
+
+        Raises:
+            AFDConfigError: a layer's experts hold more than ``w13_weight``
+                and ``w2_weight`` per expert (biases, quantization scales),
+                which this slicing does not know how to cut.
+        """
+        kept = before = 0
+        for idx, runner in self.runners.items():
+            experts = runner.routed_experts
+            params = dict(experts.named_parameters(recurse=False))
+            extra = sorted(set(params) - {"w13_weight", "w2_weight"})
+            if extra:
+                raise AFDConfigError(
+                    f"layer {idx}: the routed experts hold {', '.join(extra)} "
+                    "besides w13_weight and w2_weight; splitting their experts "
+                    "over FFN ranks (afd.connector='async') is not supported"
+                )
+            for name, param in params.items():
+                before += param.numel() * param.element_size()
+                local = torch.nn.Parameter(
+                    param.data[lo:hi].clone(), requires_grad=False
+                )
+                setattr(experts, name, local)
+                kept += local.numel() * local.element_size()
+            shared = runner.shared_experts
+            if not keep_shared and shared is not None:
+                for param in shared._layer.parameters():  # the block's too
+                    param.data = param.data.new_empty(0)
+                shared._layer = _NoSharedExperts()
+        self.first_expert = lo
+        return kept, before
 
     def compile(self) -> None:
         """``torch.compile`` each remote layer, as vLLM compiles the model.
@@ -167,6 +218,14 @@ class FFNLayers:
         self.compiled = {
             i: torch.compile(fn, dynamic=True) for i, fn in self.layers.items()
         }
+
+
+class _NoSharedExperts(nn.Module):
+    """Stands in for the shared experts on an FFN rank that does not run
+    them (``keep_experts``): zeros, no weights."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden)
 
 
 def _runner_call(runner: Any) -> LayerFn:

@@ -30,6 +30,13 @@ class RoleSplitModel(Protocol):
         """FFN role: ``torch.compile`` every remote layer."""
         ...
 
+    def keep_ffn_experts(
+        self, lo: int, hi: int, keep_shared: bool = True
+    ) -> tuple[int, int]:
+        """FFN role: keep routed experts ``[lo, hi)`` only (and the shared
+        experts if ``keep_shared``); (routed-expert bytes kept, before)."""
+        ...
+
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes this role holds, by part of the model."""
         ...

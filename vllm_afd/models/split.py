@@ -245,6 +245,13 @@ class RoleSplitMixin(nn.Module):
         assert self.afd_ffn is not None, "compute_ffn runs on the FFN role"
         return self.afd_ffn.compute(layer_idx, hidden, routing)
 
+    def keep_ffn_experts(
+        self, lo: int, hi: int, keep_shared: bool = True
+    ) -> tuple[int, int]:
+        """Keep routed experts ``[lo, hi)`` only (``FFNLayers.keep_experts``)."""
+        assert self.afd_ffn is not None, "keep_ffn_experts runs on the FFN role"
+        return self.afd_ffn.keep_experts(lo, hi, keep_shared)
+
     def compile_ffn(self) -> None:
         """``torch.compile`` each remote layer, as vLLM compiles the model."""
         assert self.afd_ffn is not None, "compile_ffn runs on the FFN role"

@@ -23,7 +23,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
 from vllm_afd.config import AFDConfig, afd_config_of
-from vllm_afd.connector.async_ep import AsyncFFN
+from vllm_afd.connector.async_ep import SHARED_RANK, AsyncFFN, ExpertSlices
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.connector.protocol import REJOIN
 from vllm_afd.errors import (
@@ -74,13 +74,17 @@ class FFNSideMixin(AFDRunnerMixin):
 
     afd_loop: FFNLoop | None = None
     afd_async_loop: AsyncFFNLoop | None = None
+    #: ``async``: the routed experts this rank holds, ``[lo, hi)``
+    afd_experts: tuple[int, int] | None = None
 
     def afd_start(self) -> None:
         vllm_config = self.vllm_config
         afd = afd_config_of(vllm_config)
+        split = self.model.afd_split
+        if afd.is_async:
+            self._afd_keep_own_experts(afd)
         if vllm_config.compilation_config.mode != CompilationMode.NONE:
             self._afd_compile_and_warm_up(afd)
-        split = self.model.afd_split
         self.afd_endpoint = open_endpoint(vllm_config, afd, split, self.device)
         if afd.is_async:
             self._afd_serve_async(self.afd_endpoint)
@@ -89,6 +93,23 @@ class FFNSideMixin(AFDRunnerMixin):
             "ffn", self.afd_endpoint.role_rank, skip=envs.profile_skip()
         )
         self._afd_serve(self._afd_loop_connector())
+
+    def _afd_keep_own_experts(self, afd: AFDConfig) -> None:
+        """``async``: this FFN rank keeps the weights of its expert slice only."""
+        split = self.model.afd_split
+        slices = ExpertSlices(split.num_experts, afd.num_ffn_ranks)
+        rank = afd.rank or 0
+        lo, hi = slices.bounds(rank)
+        runs_shared = rank == SHARED_RANK
+        kept, before = self.model.keep_ffn_experts(lo, hi, keep_shared=runs_shared)
+        self.afd_experts = (lo, hi)
+        logger.info(
+            "AFD async: ffn rank %d keeps routed experts %d..%d of %d: %d of %d "
+            "bytes of routed-expert weights%s",
+            rank, lo, hi - 1, split.num_experts, kept, before,
+            "" if runs_shared or not split.shared_experts
+            else "; shared experts run on ffn rank 0",
+        )  # fmt: skip
 
     def _afd_serve_async(self, endpoint: Endpoint) -> None:
         """The ``async`` connector: serve work items (``worker.async_loop``)."""
@@ -214,9 +235,7 @@ class FFNSideMixin(AFDRunnerMixin):
                         topk_weights=torch.full(
                             (num_tokens, k), 1.0 / k, device=device
                         ),
-                        topk_ids=torch.arange(
-                            k, dtype=torch.int32, device=device
-                        ).repeat(num_tokens, 1),
+                        topk_ids=self._afd_warm_up_ids(k).repeat(num_tokens, 1),
                     )
                 self._afd_compute(layer_idx, A2FBatch(hidden=hidden, routing=routing))
         logger.info(
@@ -224,6 +243,12 @@ class FFNSideMixin(AFDRunnerMixin):
             len(split.remote_layers),
             time.perf_counter() - start,
         )
+
+    def _afd_warm_up_ids(self, k: int) -> torch.Tensor:
+        """``[k]`` expert ids this rank holds, for warm-up routing."""
+        lo, hi = self.afd_experts or (0, self.model.afd_split.num_experts)
+        ids = lo + torch.arange(k, dtype=torch.int32) % (hi - lo)
+        return ids.to(self.device)
 
     def _afd_compute(self, layer_idx: int, batch: A2FBatch) -> torch.Tensor:
         hidden = batch.hidden

@@ -1,0 +1,61 @@
+"""``vllm-afd bench-ttft``'s pure parts: percentiles, figures, ratios, table."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_afd.cli import bench_ttft as bt
+from vllm_afd.cli.main import build_parser
+
+
+def test_percentile_interpolates_between_closest_ranks():
+    assert bt.percentile([3.0], 99) == 3.0
+    assert bt.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert bt.percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+    assert bt.percentile(list(map(float, range(101))), 90) == 90.0
+
+
+def test_figures_count_failed_requests_as_missing_the_slo():
+    row = bt.figures([0.1, 0.2, 0.3, 2.0], failed=1, duration_s=2.0, slo_s=0.5)
+    assert row["requests"] == 5 and row["failed"] == 1
+    assert row["slo_attainment"] == pytest.approx(3 / 5)
+    assert row["requests_per_s"] == 2.0
+    assert row["ttft_p50_ms"] == pytest.approx(250.0)
+    empty = bt.figures([], failed=2, duration_s=1.0, slo_s=1.0)
+    assert empty["ttft_p50_ms"] is None and empty["slo_attainment"] == 0.0
+
+
+def test_ratios_are_to_plain_vllm_at_the_same_rate_and_the_table_shows_them():
+    rows = [
+        {"target": bt.PLAIN, "rate": 1.0, **bt.figures([0.1], 0, 1.0, 1.0)},
+        {"target": "AFD async 1A2F", "rate": 1.0, **bt.figures([0.2], 0, 1.0, 1.0)},
+        {"target": "AFD p2p 1A1F", "rate": 2.0, **bt.figures([0.3], 0, 1.0, 1.0)},
+    ]
+    out = bt.with_ratios(rows)
+    assert out[0]["p50_vs_plain"] == 1.0
+    assert out[1]["p50_vs_plain"] == pytest.approx(2.0)
+    assert out[2]["p50_vs_plain"] is None  # no plain run at 2 req/s
+    table = bt.format_table(out, 1000.0)
+    assert "2.00x" in table and "AFD async 1A2F" in table
+    assert table.splitlines()[-1] == "SLO: TTFT <= 1000 ms (failed requests miss it)"
+
+
+def test_bad_rates_are_refused_before_any_server_starts(capsys):
+    args = build_parser().parse_args(["bench-ttft", "m", "--rates", "1,x"])
+    assert bt.run_bench_ttft(args) == 2
+    assert "--rates='1,x' is not a comma-separated list" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench-ttft", "m", "--rates", "0"])
+    assert bt.run_bench_ttft(args) == 2
+
+
+def test_the_synchronous_connector_runs_at_most_a_ffn_ranks():
+    ns = argparse.Namespace(
+        model="m", attention_ranks=1, ffn_ranks=2, port=8000, afd_port=29650,
+        vllm_args=["--dtype", "float32"], ready_timeout=60.0,
+    )  # fmt: skip
+    assert bt._afd_spec(ns, "p2p").ffn_ranks == 1
+    spec = bt._afd_spec(ns, "async")
+    assert (spec.ffn_ranks, spec.connector) == (2, "async")
+    assert spec.gate_on_attention
