@@ -59,3 +59,12 @@ def test_the_synchronous_connector_runs_at_most_a_ffn_ranks():
     spec = bt._afd_spec(ns, "async")
     assert (spec.ffn_ranks, spec.connector) == (2, "async")
     assert spec.gate_on_attention
+
+
+def test_each_run_has_a_cache_salt_vllm_accepts_and_failures_are_shown():
+    assert bt.cache_salt("AFD async 1A2F", 2.5) == "AFD-async-1A2F-2.5"
+    assert bt.cache_salt("a/b@c\\d", 1) == "a-b-c-d-1"
+    row = {"target": bt.PLAIN, "rate": 1.0, **bt.figures([], 3, 1.0, 1.0)}
+    row["first_error"] = "HTTPError: HTTP Error 400: Bad Request"
+    table = bt.format_table(bt.with_ratios([row]), 1000.0)
+    assert "plain vLLM at 1 req/s: 3 failed, first: HTTPError" in table

@@ -63,7 +63,7 @@ def _declared_patches() -> list[Patch]:
     from vllm_afd.config import parse_afd_config
     from vllm_afd.models import construction
     from vllm_afd.models.families import FAMILIES
-    from vllm_afd.models.ffn_layers import SELECT_EXPERTS
+    from vllm_afd.models.ffn_layers import SELECT_EXPERTS, SHARED_LAYER
     from vllm_afd.models.moe_tail import ROUTED_SCALE
     from vllm_afd.serving import ffn_availability
     from vllm_afd.worker.attention_side import GRAPH_CAPTURE, GRAPH_REPLAY
@@ -86,6 +86,7 @@ def _declared_patches() -> list[Patch]:
         GRAPH_CAPTURE,
         GRAPH_REPLAY,
         SELECT_EXPERTS,
+        SHARED_LAYER,
         ROUTED_SCALE,
         engine_step.STEP,
         engine_step.STEP_WITH_BATCH_QUEUE,

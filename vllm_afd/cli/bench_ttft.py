@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,7 @@ def _measure(url: str, name: str, args: argparse.Namespace, rates: list[float]) 
         timed_request(url, served, warm, stream=True)
     rows = []
     for rate in rates:
-        salted = [dataclasses.replace(r, salt=f"{name}@{rate}") for r in base]
+        salted = [dataclasses.replace(r, salt=cache_salt(name, rate)) for r in base]
         _note(f"{name}: {n} requests at {rate:g} req/s ...")
         run = run_requests(
             name, url, served, salted, concurrency=None, rate=rate,
@@ -144,8 +145,15 @@ def _measure(url: str, name: str, args: argparse.Namespace, rates: list[float]) 
         ttfts = [r.ttft_s for r in run.ok if r.ttft_s is not None]
         failed = len(run.requests) - len(ttfts)
         row = figures(ttfts, failed, run.duration_s, args.slo_ms / 1e3)
-        rows.append({"target": name, "rate": rate, **row})
+        error = next((r.error for r in run.requests if r.error), None)
+        rows.append({"target": name, "rate": rate, **row, "first_error": error})
     return rows
+
+
+def cache_salt(target: str, rate: float) -> str:
+    """The prefix-cache salt of one (target, rate) run: vLLM refuses ``@``,
+    ``/``, ``\\`` and more than 128 characters."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{target}-{rate:g}")[:128]
 
 
 def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:
@@ -189,6 +197,12 @@ def format_table(rows: list[dict], slo_ms: float) -> str:
             f"{r['failed']:>6}  {f'{ratio:.2f}x' if ratio is not None else '-'}"
         )
     lines.append(f"SLO: TTFT <= {slo_ms:g} ms (failed requests miss it)")
+    for r in rows:
+        if r.get("first_error"):
+            lines.append(
+                f"{r['target']} at {r['rate']:g} req/s: {r['failed']} failed, "
+                f"first: {r['first_error']}"
+            )
     return "\n".join(lines)
 
 

@@ -84,6 +84,23 @@ class ShippedRouting:
         return topk_weights, topk_ids
 
 
+SHARED_LAYER = Patch(
+    target="vllm.model_executor.layers.fused_moe.runner.shared_experts:"
+    "SharedExperts.__init__",
+    expected_params=(
+        "self",
+        "layer",
+        "moe_config",
+        "enable_dbo",
+        "mk_can_overlap_shared_experts",
+    ),
+    reason="FFN ranks other than 0 on the async connector: the shared experts "
+    "(the module each runner's SharedExperts keeps as _layer) return zeros, "
+    "as FFN rank 0 runs them",
+    removal="when an MoE runner can be built or run without its shared experts",
+)
+
+
 def _check_routable(name: str, runner: Any) -> None:
     """Routing computed on attention must reach the runner's experts.
 
@@ -194,6 +211,7 @@ class FFNLayers:
                 kept += local.numel() * local.element_size()
             shared = runner.shared_experts
             if not keep_shared and shared is not None:
+                check_patch(SHARED_LAYER)
                 for param in shared._layer.parameters():  # the block's too
                     param.data = param.data.new_empty(0)
                 shared._layer = _NoSharedExperts()
