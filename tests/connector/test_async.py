@@ -323,3 +323,76 @@ def test_frames_refuse_another_protocol():
     )  # fmt: skip
     a.close()
     b.close()
+
+
+def _pair(f: int = 1):
+    """A started attention rank and FFN ranks (1A``f``F), no items yet."""
+    port = free_port()
+    ffns = [_endpoint("ffn", 1, f, port, r) for r in range(f)]
+    att = _endpoint("attention", 1, f, port, 0)
+    starters = [threading.Thread(target=ep.start) for ep in ffns]
+    for t in starters:
+        t.start()
+    att.start()
+    for t in starters:
+        t.join(30)
+    return att, ffns
+
+
+def _watched(att) -> tuple[threading.Event, list[str]]:
+    lost, why = threading.Event(), []
+    att.watch(lambda w: (why.append(w), lost.set()), period_s=0.1)
+    return lost, why
+
+
+def test_the_watch_reports_an_ffn_rank_that_shuts_down_between_exchanges():
+    att, (ffn,) = _pair()
+    lost, why = _watched(att)
+    hidden, routing = _inputs(0, 0, 1, 4)
+    threading.Thread(target=lambda: _serve_one(ffn), daemon=True).start()
+    att.exchange(1, hidden, routing, 1, False, 10.0)  # the watch stays quiet
+    assert not lost.wait(0.5)
+    ffn.close("stopped for the test")
+    assert lost.wait(5.0), "the watch did not report the SHUTDOWN"
+    assert why == ["ffn rank 0 shut down (stopped for the test)"]
+    att.close()
+
+
+def _serve_one(ffn) -> None:
+    item = ffn.next_item()
+    ffn.reply(item, _expert_sum(item.hidden, item.routing))
+
+
+def test_the_watch_reports_a_killed_idle_ffn_rank():
+    port = free_port()
+    proc = mp.get_context("forkserver").Process(target=_ffn_process, args=(port, 1, 0))
+    proc.start()
+    ffn0 = _endpoint("ffn", 1, 2, port, 0)
+    starter = threading.Thread(target=ffn0.start)
+    starter.start()
+    att = _endpoint("attention", 1, 2, port, 0)
+    att.start()
+    starter.join(30)
+    lost, why = _watched(att)
+    try:
+        assert lost.wait(10.0), "the watch did not report the killed rank"
+        assert why == ["ffn rank 1 closed its connection (it exited or was killed)"]
+    finally:
+        att.close()
+        proc.join(10)
+        ffn0.close()
+
+
+def test_an_attention_rank_that_failed_says_so_to_the_ffn_ranks():
+    att, (ffn,) = _pair()
+    hidden, routing = _inputs(0, 0, 1, 4)
+    with pytest.raises(AFDTimeoutError):
+        att.exchange(1, hidden, routing, 1, False, 0.2)  # nobody serves
+    att.close()
+    assert ffn.next_item() is not None  # the item that was never answered
+    assert ffn.next_item() is None
+    assert ffn.failed_peers() == [
+        "attention rank 0: timed out after 0.2s waiting for the reply of ffn "
+        "rank 0 to layer 1 (hung, stopped or overloaded)"
+    ]
+    ffn.close()

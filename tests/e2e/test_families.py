@@ -148,8 +148,8 @@ def _check_expert_slices(log: str, experts: int, ffn_ranks: int) -> None:
     """Each async FFN rank announced its slice and kept its weights only."""
     per = experts // ffn_ranks
     want = {str(k): f"{k * per}..{(k + 1) * per - 1}" for k in range(ffn_ranks)}
-    up = re.findall(r"AFD async connector up: ffn rank (\d+),.*experts (\d+\.\.\d+)",
-                    log)  # fmt: skip
+    up_line = r"AFD connector up \(async\): ffn rank (\d+),.*experts (\d+\.\.\d+)"
+    up = re.findall(up_line, log)
     assert dict(up) == want, up
     kept = re.findall(r"ffn rank (\d+) keeps routed experts (\d+\.\.\d+) of "
                       r"\d+: (\d+) of (\d+) bytes", log)  # fmt: skip

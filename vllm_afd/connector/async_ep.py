@@ -47,6 +47,7 @@ import queue
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,8 @@ logger = logging.getLogger(__name__)
 
 #: the FFN rank that runs the shared experts (it gets every row)
 SHARED_RANK = 0
+#: how the SHUTDOWN reason of an attention rank whose exchange failed begins
+FAILED = "failed: "
 #: the items an exchange sent: (FFN rank, its rows or None for all, seq)
 Sent = list[tuple[int, torch.Tensor | None, int]]
 #: how long close() tries to hand a peer its SHUTDOWN
@@ -227,7 +230,7 @@ class AsyncEndpoint:
         self._members = joined.members
         self.links = [_Link(ch) for ch in joined.channels]
         logger.info(
-            "AFD async connector up: %s rank %d, peers %s, topology %s (all to "
+            "AFD connector up (async): %s rank %d, peers %s, topology %s (all to "
             "all), experts %s of %d, protocol %d, fingerprint %s",
             self.role.value, self.role_rank, [link.peer for link in self.links],
             topo.name, self._my_experts(), self.slices.num_experts,
@@ -267,6 +270,9 @@ class AsyncAttention(AsyncEndpoint):
         super().__init__(*args, **kwargs)
         self._owners = self.slices.owners()
         self._failure: str | None = None
+        # held by an exchange for its whole length: the watch reads the
+        # connections only between exchanges
+        self._io = threading.Lock()
 
     def exchange(
         self,
@@ -294,8 +300,9 @@ class AsyncAttention(AsyncEndpoint):
                 "outputs apart (moe_output_parts=2); the role split sets it"
             )
         try:
-            sent = self._dispatch(layer, hidden, routing, shared_experts, timeout_s)
-            replies = self._collect(layer, sent, timeout_s)
+            with self._io:
+                sent = self._dispatch(layer, hidden, routing, shared_experts, timeout_s)
+                replies = self._collect(layer, sent, timeout_s)
         except AFDConnectorError as e:
             self._errors += 1
             self._failure = str(e)
@@ -399,6 +406,59 @@ class AsyncAttention(AsyncEndpoint):
         self._f2a += frame.payload.numel()
         return frame.tensors()[0]
 
+    def close(self, reason: str | None = None) -> None:
+        if self._failure is not None and reason is None:
+            # the FFN ranks must not take this for a stop of the deployment
+            reason = f"{FAILED}attention rank {self.role_rank}: {self._failure}"
+        super().close(reason)
+
+    def watch(self, on_lost: Callable[[str], None], period_s: float = 0.5) -> None:
+        """Call ``on_lost(why)`` once, from a thread, when an FFN rank's
+        connection speaks between exchanges: its SHUTDOWN, or EOF (it exited
+        or was killed). An exchange in flight reads its connections itself
+        (the watch waits for it)."""
+
+        def run() -> None:
+            while not self._closed:
+                socks = [link.sock for link in self.links]
+                try:
+                    ready, _, _ = select.select(socks, [], [], period_s)
+                except (OSError, ValueError):
+                    return
+                if not ready or self._closed:
+                    continue
+                if not self._io.acquire(blocking=False):
+                    time.sleep(period_s / 10)  # an exchange reads its replies
+                    continue
+                try:
+                    why = self._idle_news(ready)
+                finally:
+                    self._io.release()
+                if why is not None and not self._closed:
+                    self._failure = self._failure or why
+                    on_lost(why)
+                    return
+
+        threading.Thread(target=run, name="afd-async-watch", daemon=True).start()
+
+    def _idle_news(self, ready: list) -> str | None:
+        """What the FFN ranks whose sockets are ``ready`` said between
+        exchanges (None: nothing that ends the session)."""
+        for f, link in enumerate(self.links):
+            if link.sock not in ready:
+                continue
+            try:
+                frames = link.reader.read()
+            except AFDProtocolError as e:
+                return str(e)
+            for frame in frames:
+                if frame.kind is FrameKind.SHUTDOWN:
+                    return f"ffn rank {f} shut down ({frame.reason})"
+                return f"ffn rank {f} sent {frame.kind.name} between exchanges"
+            if link.reader.eof:
+                return f"ffn rank {f} closed its connection (it exited or was killed)"
+        return None
+
 
 def _pick(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
@@ -500,6 +560,15 @@ class AsyncFFN(AsyncEndpoint):
         return WorkItem(
             a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts
         )
+
+    def failed_peers(self) -> list[str]:
+        """``attention rank a: why`` of each attention rank that shut down
+        because its exchange failed."""
+        return [
+            reason.removeprefix(FAILED)
+            for reason in self.shut_down.values()
+            if reason.startswith(FAILED)
+        ]
 
     def next_item(self) -> WorkItem | None:
         """The next work item from any attention rank (blocks while idle);

@@ -113,6 +113,19 @@ def checked_output(
     return output
 
 
+def stop_engine_on_lost_ffn(message: str) -> None:
+    """``async``: end this engine process at once when an FFN rank is gone
+    between steps (it holds experts no other rank has, and does not rejoin);
+    vLLM then fails the in-flight requests and stops the server."""
+    logger.error(
+        "AFD attention role: %s; on the async connector its experts are "
+        "nowhere else, so this engine stops now and in-flight requests fail",
+        message,
+    )
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 _GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"
 GRAPH_CAPTURE = Patch(
     target=f"{_GRAPHS}.capture",
@@ -209,6 +222,9 @@ class AttentionSideMixin(AFDRunnerMixin):
         ``models.async_exchange``)."""
         work = endpoint.work
         assert isinstance(work, AsyncAttention)  # attention ranks have TP 1
+        # No rejoin on async: a lost FFN rank ends this engine at once, so
+        # nothing is accepted that could not be served.
+        work.watch(stop_engine_on_lost_ffn)
         self.afd_metrics = endpoint_publisher("attention", endpoint.role_rank, work)
         self.afd_profiler = StepProfiler(
             "attention", endpoint.role_rank, skip=envs.profile_skip()

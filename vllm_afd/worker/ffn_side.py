@@ -127,11 +127,16 @@ class FFNSideMixin(AFDRunnerMixin):
         loop = self.afd_async_loop
         if loop is not None and loop.stopping:
             return
-        if error is None and envs.keep_ffn_alive():
+        endpoint = self.afd_endpoint
+        work = endpoint.work if endpoint is not None else None
+        failed = work.failed_peers() if isinstance(work, AsyncFFN) else []
+        if error is None and not failed and envs.keep_ffn_alive():
             return
         why = "attention peers shut down" if error is None else f"loop failed: {error}"
-        envs.note_stop(why, peer_died=isinstance(error, AFDPeerError))
-        endpoint = self.afd_endpoint
+        if failed:
+            why = f"an attention rank failed ({'; '.join(failed)})"
+        died = isinstance(error, AFDPeerError) or bool(failed)
+        envs.note_stop(why, peer_died=died)
         if endpoint is not None:
             endpoint.close(f"ffn rank {endpoint.role_rank} stops: {why}")
         self._afd_stop_server(why)
