@@ -10,13 +10,17 @@ from typing import Protocol
 
 import torch
 
+from vllm_afd.config import AFDConfig
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.models.layout import ModelSplit
 
 
 class RoleSplitModel(Protocol):
-    """A model holding one role's half, split as :attr:`afd_split` says."""
+    """A model holding one role's half, split as :attr:`afd_split` says; its
+    :attr:`afd` is the config parsed once when the model was built (the
+    runners read it there)."""
 
+    afd: AFDConfig
     afd_split: ModelSplit
 
     def compute_ffn(

@@ -13,7 +13,6 @@ from vllm.logger import init_logger
 from vllm_afd import envs
 from vllm_afd.compat import dp_vote
 from vllm_afd.compat.patching import Patch, check_patch
-from vllm_afd.config import afd_config_of
 from vllm_afd.connector import factory
 from vllm_afd.connector.async_ep import AsyncAttention
 from vllm_afd.connector.connector import AFDConnector
@@ -183,7 +182,7 @@ class AttentionSideMixin(AFDRunnerMixin):
     afd_exchange: AttentionExchange[AFDConnector] | None = None
 
     def afd_start(self) -> None:
-        afd = afd_config_of(self.vllm_config)
+        afd = self.model.afd  # parsed once, when the model was built
         split = self.model.afd_split
         warn_if_not_bit_exact(self.vllm_config, split)
         endpoint = open_endpoint(self.vllm_config, afd, split, self.device)

@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, afd_config_of
+from vllm_afd.config import AFDConfig
 from vllm_afd.connector.async_ep import SHARED_RANK, AsyncFFN, ExpertSlices
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.connector.protocol import REJOIN
@@ -79,7 +79,7 @@ class FFNSideMixin(AFDRunnerMixin):
 
     def afd_start(self) -> None:
         vllm_config = self.vllm_config
-        afd = afd_config_of(vllm_config)
+        afd = self.model.afd  # parsed once, when the model was built
         split = self.model.afd_split
         if afd.is_async:
             self._afd_keep_own_experts(afd)
