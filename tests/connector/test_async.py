@@ -377,6 +377,9 @@ def test_the_watch_reports_a_killed_idle_ffn_rank():
     try:
         assert lost.wait(10.0), "the watch did not report the killed rank"
         assert why == ["ffn rank 1 closed its connection (it exited or was killed)"]
+        # FFN rank 0 hears why the attention rank ended
+        assert ffn0.next_item() is None
+        assert ffn0.failed_peers() == [f"attention rank 0: {why[0]}"]
     finally:
         att.close()
         proc.join(10)

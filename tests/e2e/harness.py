@@ -292,6 +292,16 @@ class ServerPool:
         self._live[key] = self._live.pop(key)  # most recently used last
         return self._live[key]
 
+    def take(self, spec: DeploymentSpec, **start_kw: Any) -> tuple[Deployment, LogSink]:
+        """The pool's deployment of ``spec``'s settings, out of the pool, for
+        a test that breaks it (its last user; the caller stops it); started
+        if none runs."""
+        key = self.deployment_key(spec)
+        if key in self._live:
+            return self._live.pop(key)
+        self._make_room()
+        return start(spec, **start_kw)
+
     @staticmethod
     def plain_server(
         spec: DeploymentSpec,

@@ -12,7 +12,8 @@ beside decodes). Each deployment also proves the role split from the roles'
 own start-up lines: the attention role holds no expert weights, the FFN role
 no attention, embedding, norm or lm_head weights, both read the same split
 from what vLLM built, and an ``async`` FFN rank keeps its own half of the
-routed experts only. DeepSeek-V2/V3 run the same split in
+routed experts only. Last, one of the Qwen3-MoE deployment's FFN ranks is
+killed mid-stream (``async`` has no rejoin: every role stops, naming it). DeepSeek-V2/V3 run the same split in
 ``test_exact_1a1f.py``, ``test_gate_on_attention.py`` and
 ``test_scale_out.py``.
 """
@@ -21,15 +22,25 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
+import time
 
 import pytest
 from harness import (
     FAMILY_RESULTS,
+    FAULT_RESULTS,
+    POOL,
+    Supervisor,
     afd_vs_plain,
     assert_same_outputs,
     make_spec,
     model_lines,
+    print_log_tail,
     prompts,
+    served_model,
+    stream_until_error,
+    wait_for,
 )
 
 pytestmark = pytest.mark.e2e
@@ -67,8 +78,8 @@ CASES = [
     ("mixtral", 1, 1, False, "p2p"),
     ("mixtral", 1, 1, True, "p2p"),
     ("qwen2_moe", 2, 1, True, "p2p"),
-    ("qwen3_moe", 1, 2, True, "async"),
     ("glm4_moe", 2, 2, True, "async"),
+    ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
 ]
 # AFD_TEST_ASYNC_FAMILIES=1: every family on the async connector at 2A2F too
 # (outside CI's time budget; docs/prefill.md quotes a run)
@@ -96,14 +107,7 @@ def _atol(attention_ranks: int, ffn_ranks: int) -> float:
 def test_family_exact_and_role_split(
     family_models, family, ranks, ffn_ranks, gate_on_attention, connector
 ):
-    spec = make_spec(
-        family_models[family],
-        ["--dtype", "float32", "--enforce-eager"],
-        attention_ranks=ranks,
-        ffn_ranks=ffn_ranks,
-        gate_on_attention=gate_on_attention,
-        connector=connector,
-    )
+    spec = _spec(family_models[family], ranks, ffn_ranks, gate_on_attention, connector)
     texts = prompts(16)  # test_faults.py and test_multi_host.py's workload
     run = afd_vs_plain(spec, texts)  # plain vLLM once per family (harness)
     same = sum(
@@ -142,6 +146,60 @@ def test_family_exact_and_role_split(
 
     if connector == "async":
         _check_expert_slices(run.log, EXPERTS[family], ffn_ranks)
+
+
+def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector: str):
+    return make_spec(
+        model,
+        ["--dtype", "float32", "--enforce-eager"],
+        attention_ranks=ranks,
+        ffn_ranks=ffn_ranks,
+        gate_on_attention=gate_on_attention,
+        connector=connector,
+    )
+
+
+def test_async_ffn_rank_lost_stops_every_role_naming_it(family_models):
+    """The async Qwen3-MoE 1A2F deployment above (its last user): FFN rank 1,
+    whose experts are nowhere else, SIGKILLed after the first streamed token.
+    The stream ends with an error (the exchange sees the connection end), the
+    attention engine stops, and the supervisor stops every role naming the
+    FFN rank, without restarting it (no rejoin on async)."""
+    spec = _spec(family_models["qwen3_moe"], 1, 2, True, "async")
+    afd, log = POOL.take(spec)
+    try:
+        url = afd.api_url
+        first, outcome = threading.Event(), {}
+        stream = threading.Thread(
+            target=stream_until_error, args=(url, served_model(url), first, outcome)
+        )
+        stream.start()
+        assert first.wait(60), outcome
+        killed = time.monotonic()
+        os.killpg(afd.ffns[1].proc.pid, signal.SIGKILL)
+        stream.join(60)
+        assert not stream.is_alive(), "the in-flight stream hung"
+        ended = outcome["ended"] - killed
+        assert "error" in outcome["events"][-1], outcome
+        with Supervisor(afd) as supervisor:
+            wait_for(lambda: supervisor.error is not None, 60, "the supervisor to stop")
+        stopped = time.monotonic() - killed
+        # named by the supervisor (ffn1 exited) or by FFN rank 0, which stops
+        # on the attention rank's word (``ffn rank 1 closed its connection``)
+        said = str(supervisor.error)
+        assert "ffn1" in said or "ffn rank 1 closed" in said, said
+        assert "cannot rejoin" in said, said
+        assert all(p.exit_code() is not None for p in afd.processes)
+    except BaseException:
+        print_log_tail(log)
+        raise
+    finally:
+        afd.stop()
+    assert ended < 5.0, f"the stream's error came {ended:.2f}s after the kill"
+    FAULT_RESULTS.append(
+        f"1A2F async, ffn rank 1 SIGKILLed: stream error {ended:.2f}s, every "
+        f"role stopped {stopped:.2f}s"
+    )
 
 
 def _check_expert_slices(log: str, experts: int, ffn_ranks: int) -> None:

@@ -416,7 +416,8 @@ class AsyncAttention(AsyncEndpoint):
         """Call ``on_lost(why)`` once, from a thread, when an FFN rank's
         connection speaks between exchanges: its SHUTDOWN, or EOF (it exited
         or was killed). An exchange in flight reads its connections itself
-        (the watch waits for it)."""
+        (the watch waits for it). Before ``on_lost`` the endpoint closes,
+        telling the other FFN ranks why (a ``failed:`` SHUTDOWN)."""
 
         def run() -> None:
             while not self._closed:
@@ -436,6 +437,7 @@ class AsyncAttention(AsyncEndpoint):
                     self._io.release()
                 if why is not None and not self._closed:
                     self._failure = self._failure or why
+                    self.close()  # the other FFN ranks hear why (FAILED)
                     on_lost(why)
                     return
 
@@ -542,9 +544,10 @@ class AsyncFFN(AsyncEndpoint):
                             "SHUTDOWN (it exited or was killed)"
                         )
         except BaseException as e:  # handed to the loop: next_item raises it
-            self._errors += 1
-            self._items.put(e)
-            return
+            if not self._closed:  # (close() drops the sockets under this wait)
+                self._errors += 1
+                self._items.put(e)
+                return
         self._items.put(None)
 
     def _item(self, a: int, frame: Frame) -> WorkItem:
