@@ -13,9 +13,9 @@ own start-up lines: the attention role holds no expert weights, the FFN role
 no attention, embedding, norm or lm_head weights, both read the same split
 from what vLLM built, and an ``async`` FFN rank keeps its own half of the
 routed experts only. Last, one of the Qwen3-MoE deployment's FFN ranks is
-killed mid-stream (``async`` has no rejoin: every role stops, naming it). DeepSeek-V2/V3 run the same split in
-``test_exact_1a1f.py``, ``test_gate_on_attention.py`` and
-``test_scale_out.py``.
+killed mid-stream (``async`` has no rejoin: every role stops, naming it).
+DeepSeek-V2/V3 run the same split in ``test_exact_1a1f.py``,
+``test_gate_on_attention.py`` and ``test_scale_out.py``.
 """
 
 from __future__ import annotations
