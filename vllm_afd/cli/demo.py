@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with Deployment(spec, log=log, log_dir=log_dir) as afd:
         print(f"AFD ready: {afd.api_url}/v1", flush=True)
         afd_answers = collect_answers(afd.api_url, args.max_tokens)
-        metrics = afd_metrics(afd.api_url)
+        metrics = _published_metrics(afd.api_url)
     print("starting plain vLLM on the same model and settings ...", flush=True)
     with PlainServer(spec, log=log, log_dir=log_dir) as plain:
         plain_answers = collect_answers(plain.url, args.max_tokens)
@@ -107,3 +107,18 @@ def run_demo(args: argparse.Namespace) -> int:
     for key, value in per_step_figures(metrics).items():
         print(f"  {key:28s} {value}")
     return 0 if identical else 1
+
+
+def _published_metrics(url: str, timeout_s: float = 10.0) -> dict:
+    """The AFD counters once the worker's publisher (every 0.5 s) has put the
+    served steps on ``/metrics``; what is there after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    metrics = afd_metrics(url)
+    while time.monotonic() < deadline:
+        if any(key[0] == "afd_steps" and v > 0 for key, v in metrics.items()):
+            return metrics
+        time.sleep(0.25)
+        metrics = afd_metrics(url)
+    return metrics
