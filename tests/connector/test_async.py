@@ -273,13 +273,7 @@ def test_a_killed_ffn_rank_fails_the_exchange_at_once_naming_it():
 
 
 def test_a_silent_ffn_rank_times_out_after_timeout_s_naming_it():
-    port = free_port()
-    ffn = _endpoint("ffn", 1, 1, port, 0)
-    att = _endpoint("attention", 1, 1, port, 0)
-    starter = threading.Thread(target=ffn.start)
-    starter.start()
-    att.start()
-    starter.join(30)
+    att, (ffn,) = _pair()
     hidden, routing = _inputs(0, 0, 1, 4)
     start = time.monotonic()
     with pytest.raises(AFDTimeoutError, match=r"after 0.5s .* ffn rank 0 to layer 1"):
@@ -292,13 +286,7 @@ def test_a_silent_ffn_rank_times_out_after_timeout_s_naming_it():
 
 
 def test_close_from_another_thread_ends_an_idle_ffn_wait():
-    port = free_port()
-    ffn = _endpoint("ffn", 1, 1, port, 0)
-    att = _endpoint("attention", 1, 1, port, 0)
-    starter = threading.Thread(target=ffn.start)
-    starter.start()
-    att.start()
-    starter.join(30)
+    att, (ffn,) = _pair()
     threading.Timer(0.3, ffn.close).start()
     assert ffn.next_item() is None
     att.close()

@@ -117,6 +117,15 @@ def _check_secret_file(path: str) -> str | None:
     return check_secret_file(path)
 
 
+#: the rendezvous' shared secret (p2p and async share the rendezvous)
+_SECRET_FILE = Option(
+    str,
+    "",
+    "file holding the shared secret that authenticates the "
+    "rendezvous (or set AFD_SECRET); the same on every role",
+    check=_check_secret_file,
+)
+
 _SPECS: tuple[ConnectorSpec, ...] = (
     ConnectorSpec(
         name="loopback",
@@ -160,13 +169,7 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 "hears nothing for timeout_s counts the FFN rank as gone (hung, "
                 "stopped or cut off)",
             ),
-            "secret_file": Option(
-                str,
-                "",
-                "file holding the shared secret that authenticates the "
-                "rendezvous (or set AFD_SECRET); the same on every role",
-                check=_check_secret_file,
-            ),
+            "secret_file": _SECRET_FILE,
         },
         builder="vllm_afd.connector.p2p:build",
     ),
@@ -175,13 +178,7 @@ _SPECS: tuple[ConnectorSpec, ...] = (
         aliases=(),
         options={
             **_TIMEOUTS,
-            "secret_file": Option(
-                str,
-                "",
-                "file holding the shared secret that authenticates the "
-                "rendezvous (or set AFD_SECRET); the same on every role",
-                check=_check_secret_file,
-            ),
+            "secret_file": _SECRET_FILE,
         },
         builder="vllm_afd.connector.async_ep:build",
         asynchronous=True,
