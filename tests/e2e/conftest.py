@@ -20,6 +20,7 @@ def server_pool():
     harness.POOL.keep = 3
     yield harness.POOL
     harness.POOL.close()
+    harness.PLAIN_RUNNER.close()
 
 
 @pytest.fixture

@@ -12,19 +12,24 @@ import io
 import json
 import os
 import random
+import select
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vllm_afd import envs
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 
 #: one line per model-family case (test_families.py), printed at the end
@@ -174,9 +179,14 @@ def complete(
         return Completion(tuple(ids), tuple(tops))
 
 
+def workload_jobs(texts: list[str]) -> list[tuple[str, int]]:
+    """(prompt, new tokens) of each request of the workload: 32-64 new tokens."""
+    return [(p, 32 + (i * 7) % 33) for i, p in enumerate(texts)]
+
+
 def run_workload(url: str, model: str, texts: list[str]) -> list[Completion]:
     """All prompts at once; even ones streamed; 32-64 new tokens."""
-    jobs = [(p, 32 + (i * 7) % 33, i % 2 == 0) for i, p in enumerate(texts)]
+    jobs = [(p, n, i % 2 == 0) for i, (p, n) in enumerate(workload_jobs(texts))]
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda j: complete(url, model, *j), jobs))
 
@@ -216,6 +226,14 @@ def plain_outputs(
     key = (POOL.plain_key(server), tuple(texts), warmup)
     if key in _PLAIN_RUNS:
         return list(_PLAIN_RUNS[key])
+    if devices is None and not env and PLAIN_RUNNER.serves(server):
+        pending = _PLAIN_PENDING.pop(key, None)
+        if pending is not None:
+            out = pending.result(timeout=ready_timeout)
+        else:
+            out = PLAIN_RUNNER.outputs(server, workload_jobs(texts), ready_timeout)
+        _PLAIN_RUNS[key] = out
+        return list(out)
     plain = POOL.running(server, ready_timeout=ready_timeout)
     if warmup:
         warm_up(plain.url, texts)
@@ -228,15 +246,143 @@ def plain_outputs(
 
 
 def prestart_plain(spec: DeploymentSpec, texts: list[str]) -> None:
-    """Begin starting the plain server :func:`plain_outputs` will need for
-    ``spec`` and ``texts`` (nothing when their outputs are known)."""
+    """Begin what :func:`plain_outputs` will need for ``spec`` and ``texts``
+    (nothing when their outputs are known): :data:`PLAIN_RUNNER` computes
+    them on a thread, or the plain server starts (``POOL.prestart``), while
+    the test starts its AFD deployment."""
     server = POOL.plain_server(spec)
-    if (POOL.plain_key(server), tuple(texts), False) not in _PLAIN_RUNS:
-        POOL.prestart(server)
+    key = (POOL.plain_key(server), tuple(texts), False)
+    if key in _PLAIN_RUNS or key in _PLAIN_PENDING:
+        return
+    if PLAIN_RUNNER.serves(server):
+        _PLAIN_PENDING[key] = _BASELINES.submit(
+            PLAIN_RUNNER.outputs, server, workload_jobs(texts), 600.0
+        )
+        return
+    POOL.prestart(server)
+
+
+class PlainRunner:
+    """Plain vLLM baselines on CPU from one process of the session
+    (``tests/e2e/plain_runner.py``): vLLM imported once, then for each
+    (model, arguments) the pinned vLLM's offline engine built from the plain
+    server's own command line, the workload generated greedily with top-5
+    logprobs, the engine freed. It saves a server start per baseline (most of
+    its cost on two cores). Outputs are those of a plain server: the same
+    engine, settings and requests (``ignore_eos``, the same new-token counts).
+
+    Serves CPU servers of one worker (no ``--tensor-parallel-size`` or
+    ``--data-parallel-size`` above 1) with ``--dtype float32``; the others run
+    as servers. In bf16 the offline engine is not the server's: in one
+    process vLLM cannot set OpenMP up as in its worker process, GEMMs split
+    their sums otherwise, and bf16 rounds that apart (7 of 16 greedy requests
+    of tiny DeepSeek-V3, compiled, differed); in fp32 the logprobs agree
+    within 1e-5 (``test_baseline.py``)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reply: Any = None
+        self._log = Path(tempfile.mkdtemp(prefix="afd-plain-")) / "runner.log"
+
+    @staticmethod
+    def serves(server: PlainServer) -> bool:
+        argv = server.process.argv
+        many = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
+        wide = any(a in many and argv[i + 1] != "1" for i, a in enumerate(argv[:-1]))
+        dtypes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--dtype"]
+        fp32 = bool(dtypes) and dtypes[-1] == "float32"
+        return fp32 and not wide and not _cuda_visible()
+
+    def _start(self) -> None:
+        read, write = os.pipe()
+        env = dict(os.environ)
+        if env.get(envs.AFD_SERVER_STARTS):
+            with open(env[envs.AFD_SERVER_STARTS], "a") as f:
+                f.write("plain (plain_runner.py: the session's CPU baselines)\n")
+        with open(self._log, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("plain_runner.py")),
+                 str(write)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(write,), env=env,
+            )  # fmt: skip
+        os.close(write)
+        self._reply = os.fdopen(read)
+
+    def outputs(
+        self, server: PlainServer, jobs: list[tuple[str, int]], timeout: float
+    ) -> list[Completion]:
+        """The outputs of ``jobs`` on plain vLLM with ``server``'s model and
+        arguments."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None
+        argv = server.process.argv
+        at = argv.index("serve") + 1
+        model, args = argv[at], argv[at + 1 :]
+        for flag in ("--host", "--port"):
+            i = args.index(flag)
+            del args[i : i + 2]
+        request = {"model": model, "args": args, "jobs": jobs}
+        self._proc.stdin.write((json.dumps(request) + "\n").encode())
+        self._proc.stdin.flush()
+        ready, _, _ = select.select([self._reply], [], [], timeout)
+        line = self._reply.readline() if ready else ""
+        if not line:
+            self.close()
+            tail = self._log.read_text(errors="replace")[-4000:]
+            why = "timed out" if not ready else "exited"
+            raise AssertionError(
+                f"plain vLLM baseline of {model} {why} after {timeout:.0f}s "
+                f"(plain_runner.py, log {self._log}):\n{tail}"
+            )
+        answer = json.loads(line)
+        if "error" in answer:
+            self.close()
+            raise AssertionError(f"plain vLLM baseline of {model}: {answer['error']}")
+        return [
+            Completion(
+                token_ids=tuple(o["token_ids"]),
+                top_logprobs=tuple(
+                    {int(t): lp for t, lp in step} for step in o["top_logprobs"]
+                ),
+            )
+            for o in answer["outputs"]
+        ]
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._reply is not None:
+            self._reply.close()
+            self._reply = None
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+#: the session's CPU plain baselines (``tests/e2e/conftest.py`` closes it)
+PLAIN_RUNNER = PlainRunner()
 
 
 #: :func:`plain_outputs` of this session, by what decides them
 _PLAIN_RUNS: dict[tuple, list[Completion]] = {}
+#: baselines :data:`PLAIN_RUNNER` computes on :data:`_BASELINES`' thread
+_PLAIN_PENDING: dict[tuple, Future[list[Completion]]] = {}
+_BASELINES = ThreadPoolExecutor(1, thread_name_prefix="plain-baseline")
 
 
 class ServerPool:
@@ -283,8 +429,10 @@ class ServerPool:
         self, spec: DeploymentSpec, **start_kw: Any
     ) -> tuple[Deployment, LogSink]:
         """A running deployment of ``spec``'s settings (started with
-        ``start_kw`` if none runs) and its role logs."""
+        ``start_kw`` if none runs; one :meth:`prestart_deployment` began is
+        waited for) and its role logs."""
         key = self.deployment_key(spec)
+        self._join(key)
         if key not in self._live:
             self._make_room()
             afd, log = start(spec, **start_kw)
@@ -292,11 +440,42 @@ class ServerPool:
         self._live[key] = self._live.pop(key)  # most recently used last
         return self._live[key]
 
+    def prestart_deployment(self, spec: DeploymentSpec) -> None:
+        """Start a deployment of ``spec``'s settings on a thread, beside the
+        one a test is starting or using (two start in about 1.5 times one on
+        two cores: most of a start is single-threaded imports);
+        :meth:`deployment` waits for it. Nothing when ``keep`` leaves no room
+        for it, or one of its key runs or starts. A failed start is started
+        again, in the open, by :meth:`deployment`."""
+        key = self.deployment_key(spec)
+        if self.keep < 2 or key in self._live or key in self._starting:
+            return
+        self._make_room(free=2)
+
+        def run() -> None:
+            try:
+                started = start(spec)
+            except LaunchError as e:
+                print(f"prestarted deployment did not start: {e}")
+                return
+            with self._lock:
+                self._live[key] = started
+
+        thread = threading.Thread(target=run, daemon=True)
+        self._starting[key] = thread
+        thread.start()
+
+    def _join(self, key: tuple) -> None:
+        starting = self._starting.pop(key, None)
+        if starting is not None:
+            starting.join()
+
     def take(self, spec: DeploymentSpec, **start_kw: Any) -> tuple[Deployment, LogSink]:
         """The pool's deployment of ``spec``'s settings, out of the pool, for
         a test that breaks it (its last user; the caller stops it); started
         if none runs."""
         key = self.deployment_key(spec)
+        self._join(key)
         if key in self._live:
             return self._live.pop(key)
         self._make_room()

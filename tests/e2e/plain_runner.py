@@ -1,0 +1,101 @@
+"""Plain vLLM baselines of many models in one process (``harness.PlainRunner``).
+
+A plain ``vllm serve`` costs a process start, vLLM's imports and an engine
+core start on top of loading the model; on two cores that is most of the
+30-45 s a baseline took. This process imports vLLM once and, for each request
+it reads (one JSON line on stdin), builds the pinned vLLM's own offline engine
+(``vllm.LLM``, the engine core in this process) from the same command-line
+arguments the plain server would get, generates every prompt greedily with
+top-5 logprobs, frees the engine and answers (one JSON line on the file
+descriptor given as its argument; vLLM's log goes to stdout). A request that
+fails is answered with the error and ends the process (vLLM's process-wide
+state is then half built); the harness starts a new one for the next.
+
+Request: ``{"model": str, "args": [vLLM CLI args], "jobs": [[prompt,
+max_tokens], ...]}``. Answer: ``{"outputs": [{"token_ids": [...],
+"top_logprobs": [[[id, logprob], ...], ...]}, ...]}`` or ``{"error": str}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import traceback
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+
+
+def _engine_kwargs(model: str, args: list[str]) -> dict:
+    """``LLM`` keyword arguments of ``vllm serve MODEL ARGS``: the fields of
+    vLLM's own parse of that command line that differ from their defaults."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *args]))
+    default = EngineArgs(model=model)
+    return {
+        f.name: getattr(parsed, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if f.init and getattr(parsed, f.name) != getattr(default, f.name)
+    } | {"model": model}
+
+
+def _run(request: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    llm = LLM(**_engine_kwargs(request["model"], request["args"]))
+    try:
+        prompts = [prompt for prompt, _ in request["jobs"]]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+            for _, n in request["jobs"]
+        ]
+        outputs = []
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            sample = out.outputs[0]
+            outputs.append(
+                {
+                    "token_ids": list(sample.token_ids),
+                    "top_logprobs": [
+                        [
+                            [tok, lp.logprob]
+                            for tok, lp in step.items()
+                            if lp.rank is not None and lp.rank <= 5
+                        ]
+                        for step in sample.logprobs
+                    ],
+                }
+            )
+        return {"outputs": outputs}
+    finally:
+        del llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def main() -> None:
+    reply = os.fdopen(int(sys.argv[1]), "w")
+    for line in sys.stdin:
+        try:
+            answer = _run(json.loads(line))
+        except Exception:
+            # vLLM's process-wide state (its distributed groups) is left half
+            # built: answer, and end; the next request starts a new process
+            reply.write(json.dumps({"error": traceback.format_exc()}) + "\n")
+            reply.flush()
+            sys.exit(1)
+        reply.write(json.dumps(answer) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    main()
