@@ -53,15 +53,27 @@ LAYOUTS = {
     "glm4_moe": ([1, 2], [0]),  # grouped sigmoid top-k + bias, scaling 2.5
     "deepseek_v2": ([1, 2], [0]),  # MLA, softmax greedy top-k, shared experts
     "deepseek_v3": ([1, 2], [0]),  # MLA, grouped sigmoid top-k + bias
+    "glm4_moe_lite": ([1, 2], [0]),  # GLM-4.7-Flash: MLA + GLM-4.5's MoE block
+    "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
+    "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
+    "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
+    "gpt_oss": ([0, 1, 2], []),  # router with bias, expert biases, sinks
 }
 
 #: each family's routed experts (``vllm-afd tiny-model``)
 EXPERTS = {
     "qwen3_moe": 8, "qwen2_moe": 8, "mixtral": 8, "glm4_moe": 16,
-    "deepseek_v2": 8, "deepseek_v3": 16,
+    "deepseek_v2": 8, "deepseek_v3": 16, "glm4_moe_lite": 16, "olmoe": 8,
+    "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
-SHARED = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+SHARED = (
+    "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
+    "ernie4_5_moe",
+)  # fmt: skip
+#: families whose routed experts carry biases: the async connector refuses
+#: to split them over FFN ranks (``FFNLayers.keep_experts``)
+EXPERT_BIASES = ("gpt_oss",)
 
 # (family, attention ranks, FFN ranks, gate on attention, connector): every
 # family with the gate on the attention role, where the split is the family's
@@ -78,13 +90,30 @@ CASES = [
     ("mixtral", 1, 1, False, "p2p"),
     ("mixtral", 1, 1, True, "p2p"),
     ("qwen2_moe", 2, 1, True, "p2p"),
+    # the families served since: each at 1A1F with its router on attention;
+    # gpt-oss (expert biases, clamped SwiGLU, attention sinks, sliding
+    # windows) at 2A1F
+    ("glm4_moe_lite", 1, 1, True, "p2p"),
+    ("olmoe", 1, 1, True, "p2p"),
+    ("granitemoe", 1, 1, True, "p2p"),
+    ("ernie4_5_moe", 1, 1, True, "p2p"),
+    ("gpt_oss", 2, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
 ]
 # AFD_TEST_ASYNC_FAMILIES=1: every family on the async connector at 2A2F too
-# (outside CI's time budget; docs/prefill.md quotes a run)
+# (outside CI's time budget; docs/prefill.md quotes a run); families whose
+# experts carry biases are refused there (test_async_refuses_expert_biases)
 if os.environ.get("AFD_TEST_ASYNC_FAMILIES") == "1":
-    CASES += [(f, 2, 2, True, "async") for f in LAYOUTS if f != "glm4_moe"]
+    CASES += [
+        (f, 2, 2, True, "async")
+        for f in LAYOUTS
+        if f != "glm4_moe" and f not in EXPERT_BIASES
+    ]
+# AFD_TEST_FAMILY_GATES=1: every family with its gate on the FFN role too, at
+# 1A1F (outside CI's time budget; docs/models.md says which ran)
+if os.environ.get("AFD_TEST_FAMILY_GATES") == "1":
+    CASES += [(f, 1, 1, False, "p2p") for f in LAYOUTS if f != "mixtral"]
 
 
 #: with 2 attention ranks the FFN's merged batch holds other rows than plain
@@ -96,17 +125,32 @@ def _atol(attention_ranks: int, ffn_ranks: int) -> float:
     return 1e-5 if attention_ranks == ffn_ranks == 1 else 1e-4
 
 
+IDS = [
+    f"{f}-{a}A{n}F-{c}-gate_on_{'attention' if g else 'ffn'}" for f, a, n, g, c in CASES
+]
+
+
+def _prestart_next(request, family_models, case: tuple) -> None:
+    """Start the next case's deployment beside this one's (when the session
+    runs it): two start in about 1.5 times one on two cores."""
+    at = CASES.index(case) + 1
+    if at < len(CASES) and any(
+        item.nodeid.endswith(f"[{IDS[at]}]") for item in request.session.items
+    ):
+        family, ranks, ffn_ranks, gate, connector = CASES[at]
+        POOL.prestart_deployment(
+            _spec(family_models[family], ranks, ffn_ranks, gate, connector)
+        )
+
+
 @pytest.mark.parametrize(
-    "family,ranks,ffn_ranks,gate_on_attention,connector",
-    CASES,
-    ids=[
-        f"{f}-{a}A{n}F-{c}-gate_on_{'attention' if g else 'ffn'}"
-        for f, a, n, g, c in CASES
-    ],
+    "family,ranks,ffn_ranks,gate_on_attention,connector", CASES, ids=IDS
 )
 def test_family_exact_and_role_split(
-    family_models, family, ranks, ffn_ranks, gate_on_attention, connector
+    request, family_models, family, ranks, ffn_ranks, gate_on_attention, connector
 ):
+    case = (family, ranks, ffn_ranks, gate_on_attention, connector)
+    _prestart_next(request, family_models, case)
     spec = _spec(family_models[family], ranks, ffn_ranks, gate_on_attention, connector)
     texts = prompts(16)  # test_faults.py and test_multi_host.py's workload
     run = afd_vs_plain(spec, texts)  # plain vLLM once per family (harness)

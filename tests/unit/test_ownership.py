@@ -16,12 +16,16 @@ from vllm_afd.roles import AFDRole
 A, F = AFDRole.ATTENTION, AFDRole.FFN
 
 
-def _prefixes(block: str, dense: bool) -> SplitPrefixes:
+def _prefixes(
+    block: str, dense: bool, gate: str = "gate", gate_parts: tuple[str, ...] = ()
+) -> SplitPrefixes:
+    """As ``derive_split`` records them (``gate`` and ``gate_parts`` from the
+    family record)."""
     moe = (1, 2) if dense else (0, 1, 2)
     blocks = tuple(f"model.layers.{i}.{block}" for i in moe)
     return SplitPrefixes(
         moe_blocks=blocks,
-        gates=tuple(f"{b}.gate" for b in blocks),
+        gates=tuple(f"{b}.{g}" for b in blocks for g in (gate, *gate_parts)),
         dense_mlps=("model.layers.0.mlp",) if dense else (),
         routed_experts=tuple(f"{b}.experts" for b in blocks),
     )
@@ -101,6 +105,30 @@ TABLES = {
             "model.layers.1.mlp.gate.e_score_correction_bias": (F, A),
             "model.layers.1.mlp.experts.15.up_proj.weight": (F, F),
             "model.layers.1.mlp.shared_experts.gate_proj.weight": (F, F),
+        },
+    ),
+    "ernie4_5_moe": (
+        _prefixes("mlp", dense=True, gate_parts=("moe_statics",)),
+        {
+            **_COMMON,
+            "model.layers.0.mlp.up_proj.weight": (F, A),
+            "model.layers.1.mlp.gate.weight": (F, A),
+            # the score bias, stored beside the gate: routing, so with it
+            "model.layers.1.mlp.moe_statics.e_score_correction_bias": (F, A),
+            "model.layers.1.mlp.experts.7.down_proj.weight": (F, F),
+            "model.layers.1.mlp.shared_experts.up_proj.weight": (F, F),
+        },
+    ),
+    "gpt_oss": (
+        _prefixes("mlp", dense=False, gate="router"),
+        {
+            "model.embedding.weight": (A, A),
+            "model.layers.0.attn.sinks": (A, A),
+            "model.layers.0.attn.qkv_proj.bias": (A, A),
+            "model.layers.0.mlp.router.weight": (F, A),
+            "model.layers.0.mlp.router.bias": (F, A),
+            "model.layers.2.mlp.experts.gate_up_proj_bias": (F, F),
+            "model.layers.2.mlp.experts.down_proj": (F, F),
         },
     ),
 }

@@ -99,10 +99,11 @@ FFN_ABSENT_LAYERS = ("RMSNorm", "VocabParallelEmbedding", "ParallelLMHead")
 GATE_CLASS = "GateLinear"
 
 
-def family_patch(family: Family, name: str, why: str) -> Patch:
-    """A declared swap of class ``name`` in the family's vLLM module."""
+def family_patch(module_path: str, name: str, why: str) -> Patch:
+    """A declared swap of class ``name`` (or ``Class.attr``) in one of a
+    family's vLLM modules."""
     return Patch(
-        target=f"{family.module_path}:{name}",
+        target=f"{module_path}:{name}",
         expected_params=None,  # the stand-ins take any arguments
         reason=why,
         removal="when vLLM models accept per-module factories",
@@ -152,19 +153,31 @@ def patches_for(
         out.append((MOE_CONFIG, any_width_moe_config(check_patch(MOE_CONFIG))))
     else:
         for name in (*family.attention, *FFN_ABSENT_LAYERS):
-            if hasattr(module, name):
+            if _has(module, name):
                 why = f"FFN role: no {name} (the attention role's)"
-                out.append((family_patch(family, name, why), Absent))
+                out.append((family_patch(family.module_path, name, why), Absent))
     gate_here = afd.is_ffn != afd.compute_gate_on_attention
-    if not gate_here and hasattr(module, GATE_CLASS):
-        why = "no router gate where the other role routes"
-        out.append((family_patch(family, GATE_CLASS, why), AbsentGate))
-    if family.dense_mlp is not None:
-        native = getattr(module, family.dense_mlp)
-        why = "build each dense MLP / shared expert on the role that runs it"
-        factory = _dense_factory(native, afd, recorded)
-        out.append((family_patch(family, family.dense_mlp, why), factory))
+    for path, dense_mlp in family.builders:
+        builder = importlib.import_module(path)
+        if not gate_here and hasattr(builder, GATE_CLASS):
+            why = "no router gate where the other role routes"
+            out.append((family_patch(path, GATE_CLASS, why), AbsentGate))
+        if dense_mlp is not None:
+            native = getattr(builder, dense_mlp)
+            why = "build each dense MLP / shared expert on the role that runs it"
+            factory = _dense_factory(native, afd, recorded)
+            out.append((family_patch(path, dense_mlp, why), factory))
     return out
+
+
+def _has(module: Any, dotted: str) -> bool:
+    """Whether ``module`` holds ``Name`` or ``Class.attr``."""
+    owner = module
+    for part in dotted.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
 
 
 @contextlib.contextmanager

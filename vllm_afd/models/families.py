@@ -8,8 +8,14 @@ form the split can read:
   MLP layers and the shared experts (one class serves both in every family
   here; a shared expert is told apart by its prefix, nested inside the MoE
   block). None where the family has neither.
-* ``attention``: the attention classes the FFN role does not build.
+* ``attention``: the attention classes the FFN role does not build (a name
+  in the family's module, or ``Class.attr`` where a block class holds its
+  attention class as an attribute).
 * ``gate``: the attribute of the MoE block that holds the router gate.
+* ``gate_parts``: other attributes of the MoE block, as checkpoints name
+  them, that belong to the router (loaded where the gate runs).
+* ``moe_modules``: other vLLM modules the family's MoE block is built in (a
+  family reusing another's block), each with its dense-MLP class there.
 
 Records are keyed by the Hugging Face architecture name. An architecture with
 no record is refused at start-up with the list of the supported ones.
@@ -31,6 +37,10 @@ class Family:
         dense_mlp: class in ``module`` building dense MLPs and shared experts.
         attention: classes in ``module`` the FFN role replaces by nothing.
         gate: attribute of the MoE block holding the router gate.
+        gate_parts: checkpoint names of router parts beside the gate in
+            the MoE block (ERNIE-4.5's ``moe_statics``: its score bias).
+        moe_modules: (module, dense-MLP class or None) of each other vLLM
+            module whose classes build this family's MoE blocks.
     """
 
     name: str
@@ -39,10 +49,20 @@ class Family:
     dense_mlp: str | None
     attention: tuple[str, ...]
     gate: str = "gate"
+    gate_parts: tuple[str, ...] = ()
+    moe_modules: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def module_path(self) -> str:
         return f"vllm.model_executor.models.{self.module}"
+
+    @property
+    def builders(self) -> tuple[tuple[str, str | None], ...]:
+        """(module path, dense-MLP class) of every module that builds MoE
+        blocks or dense MLPs of this family, its own first."""
+        return ((self.module_path, self.dense_mlp),) + tuple(
+            (f"vllm.model_executor.models.{m}", c) for m, c in self.moe_modules
+        )
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -84,6 +104,47 @@ FAMILIES: tuple[Family, ...] = (
         archs=("Glm4MoeForCausalLM",),
         dense_mlp="Glm4MoeMLP",
         attention=("Glm4MoeAttention",),
+    ),
+    Family(
+        # GLM-4.7-Flash: DeepSeek's MLA with GLM-4.5's MoE block
+        name="glm4_moe_lite",
+        module="glm4_moe_lite",
+        archs=("Glm4MoeLiteForCausalLM",),
+        dense_mlp="Glm4MoeLiteMLP",
+        attention=("Glm4MoeLiteAttention", "Glm4MoeLiteMLAAttention"),
+        moe_modules=(("glm4_moe", "Glm4MoeMLP"),),
+    ),
+    Family(
+        name="olmoe",
+        module="olmoe",
+        archs=("OlmoeForCausalLM",),
+        dense_mlp=None,
+        attention=("OlmoeAttention",),
+    ),
+    Family(
+        name="granitemoe",
+        module="granitemoe",
+        archs=("GraniteMoeForCausalLM",),
+        dense_mlp=None,
+        attention=("GraniteMoeAttention",),
+    ),
+    Family(
+        name="ernie4_5_moe",
+        module="ernie45_moe",
+        archs=("Ernie4_5_MoeForCausalLM",),
+        dense_mlp="Ernie4_5_MoeMLP",
+        attention=("Ernie4_5_MoeAttention",),
+        gate_parts=("moe_statics",),
+    ),
+    Family(
+        # router outside the block (``router``), expert biases, clamped
+        # SwiGLU; the decoder block holds its attention class as an attribute
+        name="gpt_oss",
+        module="gpt_oss",
+        archs=("GptOssForCausalLM",),
+        dense_mlp=None,
+        attention=("TransformerBlock.attention_cls",),
+        gate="router",
     ),
 )
 

@@ -98,7 +98,7 @@ def derive_split(
         f"{b}.{family.gate}"
         for b in blocks
         if getattr(model.get_submodule(b), family.gate, None) is not None
-    )
+    ) + tuple(f"{b}.{part}" for b in blocks for part in family.gate_parts)
     moe_layers = tuple(sorted(layer_index(b) for b in blocks))
     dense_layers = tuple(sorted(layer_index(p) for p in recorded.dense_mlps))
     remote = moe_layers if afd.compute_gate_on_attention else dense_layers + moe_layers
@@ -151,9 +151,10 @@ def parameter_group(name: str, prefixes: SplitPrefixes) -> str:
         return "routed_experts"
     if under(prefixes.moe_blocks):
         return "shared_experts"
-    for group in ("embed_tokens", "lm_head"):
-        if group in name:
-            return group
+    if "lm_head" in name:
+        return "lm_head"
+    if "embed" in name:  # embed_tokens, gpt-oss's embedding
+        return "embed_tokens"
     if "norm" in name and "attn" not in name:
         return "norms"
     return "attention"
@@ -265,7 +266,16 @@ class RoleSplitMixin(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         role, split = self.afd.role, self.afd_split
         gate_on_attn = self.afd.compute_gate_on_attention
-        mapper = getattr(self, "hf_to_vllm_mapper", None)
+        # the checkpoint-to-vLLM name map: the model's, or its inner model's
+        # (Granite-MoE maps ``router.weight`` to ``gate.weight`` there)
+        mapper = getattr(self, "hf_to_vllm_mapper", None) or next(
+            (
+                m.hf_to_vllm_mapper
+                for m in self.children()
+                if getattr(m, "hf_to_vllm_mapper", None) is not None
+            ),
+            None,
+        )
 
         def owner(name: str) -> Any:
             mapped = mapper._map_name(name) if mapper is not None else name

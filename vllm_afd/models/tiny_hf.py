@@ -65,7 +65,78 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             num_mtp_layers=0,
         ),
     ),
+    # Every layer MoE, no shared experts, q/k norms, softmax top-k without
+    # renormalisation.
+    "olmoe": (
+        "OlmoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
+    # Every layer MoE, embedding, residual, attention and logit multipliers.
+    "granitemoe": (
+        "GraniteMoeConfig",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+    ),
+    # First dense layer, a shared expert, softmax top-k.
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        dict(
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_interval=1,
+            use_bias=False,
+        ),
+    ),
+    # GLM-4.7-Flash: MLA attention (DeepSeek's), first dense layer, shared
+    # experts, grouped sigmoid top-k with a bias, routed scaling.
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.8,
+            norm_topk_prob=True,
+            # vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
+            kv_lora_rank=512,
+            q_lora_rank=96,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            num_key_value_heads=4,
+            num_nextn_predict_layers=0,
+        ),
+    ),
+    # gpt-oss: router outside the block with a bias, expert biases, clamped
+    # SwiGLU, attention sinks, sliding and full attention alternating.
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=32,
+            sliding_window=16,
+            attention_bias=True,
+        ),
+    ),
 }
+
+#: families whose ``intermediate_size`` is the width of an expert (no dense
+#: layers): it is the tiny models' expert width
+_EXPERT_WIDE = ("mixtral", "olmoe", "granitemoe", "gpt_oss")
+
+#: where vLLM registers an architecture under another name than transformers
+_ARCH_NAMES: dict[str, str] = {}
 
 HF_ARCHS = tuple(_FAMILIES)
 
@@ -101,17 +172,25 @@ def hf_config(
         attention_dropout=0.0,
         dtype=dtype,
         **special_ids,
-        **moe,
     )
+    kwargs.update(moe)
     if arch in ("qwen3_moe", "qwen2_moe"):
         kwargs["mlp_only_layers"] = [0]
-    if arch == "mixtral":
+    if arch in _EXPERT_WIDE:
         kwargs.pop("moe_intermediate_size")
         kwargs["intermediate_size"] = hidden_size // 2
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "glm4_moe_lite"):
         kwargs["first_k_dense_replace"] = 1
+    if arch == "glm4_moe_lite":
+        kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
+    if arch == "gpt_oss":
+        kwargs["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(num_layers)
+        ]
     config = config_cls(**kwargs)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    name = type(config).__name__.replace("Config", "ForCausalLM")
+    config.architectures = [_ARCH_NAMES.get(name, name)]
     return config
 
 
@@ -147,6 +226,8 @@ def _kind(name: str) -> str:
     if "norm" in name:
         return "norm"
     leaf = name.rsplit(".", 2)
-    if leaf[-2] == "gate" and leaf[-1] == "weight":
+    if leaf[-2] in ("gate", "router") and leaf[-1] == "weight":
         return "router"
+    if name.endswith("_bias") or name.endswith(".sinks"):
+        return "bias"
     return "linear"

@@ -1,0 +1,109 @@
+"""Every MoE architecture in the installed vLLM's registry, and what AFD does
+with it: the table in docs/models.md, generated here and held to the docs by
+``tests/unit/test_models_table.py``.
+
+An architecture counts as MoE when its vLLM module builds an MoE layer
+(``FusedMoE`` appears in it) or imports a module that does (GLM-4.7-Flash
+builds GLM-4.5's block). Served: a family record covers it
+(:mod:`vllm_afd.models.families`). Every other one is refused at start-up,
+naming the supported architectures; where it was tried, the reason is given.
+
+    python -m vllm_afd.models.registry_table    # print the table
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from vllm_afd.models.families import family_of
+
+#: what was found where an architecture was tried with a tiny checkpoint
+TRIED: dict[str, str] = {
+    "MiniMaxM2ForCausalLM": (
+        "plain vLLM cannot serve it on CPU (its CPU router takes softmax "
+        "scores only for top-k with a bias; MiniMax-M2 scores with a sigmoid); "
+        "no record until it is checked against plain vLLM on a GPU"
+    ),
+    "PhiMoEForCausalLM": (
+        "plain vLLM's load of a transformers-written checkpoint fails "
+        "(`too many values to unpack`); no record yet"
+    ),
+    "NemotronHForCausalLM": (
+        "latent MoE: projections into and out of the latent width run inside "
+        "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
+    ),
+}
+
+_SECTIONS = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
+
+
+def _module_name(module: str) -> str:
+    return (
+        module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    )
+
+
+def _imports(module: str) -> str:
+    """A pattern of an import from ``module`` (relative or absolute)."""
+    name = re.escape(module.rsplit(".", 1)[-1])
+    return rf"(from \.|models\.){name} import"
+
+
+def _source(module: str) -> str:
+    try:
+        spec = importlib.util.find_spec(_module_name(module))
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return ""
+    with open(spec.origin) as f:
+        return f.read()
+
+
+def moe_architectures() -> list[tuple[str, str]]:
+    """(architecture, vLLM module) of every MoE architecture in vLLM's text
+    generation and multimodal registries, sorted by architecture."""
+    from vllm.model_executor.models import registry
+
+    archs: dict[str, str] = {}
+    for section in _SECTIONS:
+        for arch, (module, _) in getattr(registry, section).items():
+            archs[arch] = module
+    sources = {m: _source(m) for m in set(archs.values())}
+    moe = {m for m, text in sources.items() if "FusedMoE" in text}
+    while True:  # modules that build another module's MoE block
+        grown = {
+            m
+            for m, text in sources.items()
+            if m not in moe
+            and any(
+                re.search(
+                    rf"(from \.|models\.){re.escape(x.rsplit('.', 1)[-1])} import", text
+                )
+                for x in moe
+            )
+        }
+        if not grown:
+            break
+        moe |= grown
+    return sorted((a, m) for a, m in archs.items() if m in moe)
+
+
+def table_markdown() -> str:
+    """The docs/models.md table of every MoE architecture."""
+    rows = ["| Architecture | vLLM module | AFD |", "|---|---|---|"]
+    for arch, module in moe_architectures():
+        family = family_of(arch)
+        if family is not None:
+            what = f"served (record `{family.name}`)"
+        else:
+            what = "refused at start-up: " + TRIED.get(
+                arch, "no family record (not tried)"
+            )
+        rows.append(f"| `{arch}` | `{module.rsplit('.', 1)[-1]}` | {what} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table_markdown(), end="")
