@@ -38,7 +38,11 @@ dp_vote.uninstall()
 plain = torch.ones(2, 2, dtype=torch.int32)
 dp_utils.dist.all_reduce(plain)  # no voter: passes through untouched
 print(json.dumps({"answers": link.answers, "tables": tables,
-                  "plain": plain.tolist()}))
+                  "plain": plain.tolist()}), flush=True)
+# Gloo's threads must be joined before exit (else the C++ runtime may abort
+# the process at exit: "terminate called without an active exception")
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
