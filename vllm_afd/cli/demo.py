@@ -46,6 +46,7 @@ DEMO_VLLM_ARGS = [
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
+    from vllm_afd.models.tiny_hf import GPU_ONLY_ARCHS
 
     p = sub.add_parser("demo", help="serve a tiny model with AFD and compare")
     p.add_argument(
@@ -56,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--arch",
-        choices=TINY_ARCHS,
+        choices=[a for a in TINY_ARCHS if a not in GPU_ONLY_ARCHS],
         default="deepseek_v2",
         help="model family of the tiny model (default deepseek_v2)",
     )

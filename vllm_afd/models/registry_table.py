@@ -20,11 +20,6 @@ from vllm_afd.models.families import family_of
 
 #: what was found where an architecture was tried with a tiny checkpoint
 TRIED: dict[str, str] = {
-    "MiniMaxM2ForCausalLM": (
-        "plain vLLM cannot serve it on CPU (its CPU router takes softmax "
-        "scores only for top-k with a bias; MiniMax-M2 scores with a sigmoid); "
-        "no record until it is checked against plain vLLM on a GPU"
-    ),
     "PhiMoEForCausalLM": (
         "plain vLLM's load of a transformers-written checkpoint fails "
         "(`too many values to unpack`); no record yet"
@@ -32,6 +27,14 @@ TRIED: dict[str, str] = {
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
+    ),
+}
+
+#: served architectures plain vLLM serves on GPUs only, and why
+GPU_ONLY: dict[str, str] = {
+    "MiniMaxM2ForCausalLM": (
+        "on GPUs: plain vLLM's CPU router takes no sigmoid scores with a bias, "
+        "so it is checked against plain vLLM on one GPU"
     ),
 }
 
@@ -97,6 +100,8 @@ def table_markdown() -> str:
         family = family_of(arch)
         if family is not None:
             what = f"served (record `{family.name}`)"
+            if arch in GPU_ONLY:
+                what += f"; {GPU_ONLY[arch]}"
         else:
             what = "refused at start-up: " + TRIED.get(
                 arch, "no family record (not tried)"

@@ -83,6 +83,22 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=2.0,
         ),
     ),
+    # Every layer MoE, no shared experts, sigmoid scores with a correction
+    # bias held by the block, router in fp32 before the runner. Plain vLLM
+    # serves it on GPUs only (its CPU router takes no sigmoid with a bias).
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=32,
+            scoring_func="sigmoid",
+            use_routing_bias=True,
+            use_qk_norm=True,
+            qk_norm_type="per_layer",
+            rotary_dim=32,
+        ),
+    ),
     # First dense layer, a shared expert, softmax top-k.
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",
@@ -133,12 +149,14 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: families whose ``intermediate_size`` is the width of an expert (no dense
 #: layers): it is the tiny models' expert width
-_EXPERT_WIDE = ("mixtral", "olmoe", "granitemoe", "gpt_oss")
+_EXPERT_WIDE = ("mixtral", "olmoe", "granitemoe", "minimax_m2", "gpt_oss")
 
 #: where vLLM registers an architecture under another name than transformers
 _ARCH_NAMES: dict[str, str] = {}
 
 HF_ARCHS = tuple(_FAMILIES)
+#: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
+GPU_ONLY_ARCHS = ("minimax_m2",)
 
 
 def hf_config(
