@@ -79,7 +79,7 @@ def mps() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def gpu_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny bf16 checkpoints: DeepSeek-V2 and -V3 with the head dims vLLM's
-    SM90 MLA needs, Qwen3-MoE, Mixtral and MiniMax-M2."""
+    SM90 MLA needs, Qwen3-MoE and Mixtral."""
     if missing_requirement(1) is not None:
         pytest.skip(missing_requirement(1))
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
@@ -93,5 +93,5 @@ def gpu_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
             gpu_dims=arch.startswith("deepseek"),
             dtype="bfloat16",
         )
-        for arch in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "minimax_m2")
+        for arch in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
     }

@@ -77,3 +77,20 @@ def test_sample_file_reads_sampled_chunks_of_a_large_file(tmp_path):
     after = hashlib.sha256()
     identity.sample_file(big, after)
     assert before.hexdigest() != after.hexdigest()
+
+
+def test_digest_is_of_the_config_as_loaded_before_the_model_is_built(models):
+    """MiniMax-M2's vLLM code writes into the config while it builds, and
+    differently on each role (its attention class, on the attention role
+    only, adds ``rope_parameters["partial_rotary_factor"]``): the digest is
+    of the config each role remembered before building."""
+    a, _, _ = models
+    one, other = _vllm_config(a), _vllm_config(a)
+    for config in (one, other):
+        identity.remember_config(config)
+    other.model_config.hf_config.rope_parameters = {"partial_rotary_factor": 0.5}
+    other.model_config.hf_config.max_model_len = 4096
+    assert identity.model_digest(one) == identity.model_digest(other)
+    changed = _vllm_config(a)  # remembered nothing: its config as it is now
+    changed.model_config.hf_config.hidden_size += 16
+    assert identity.model_digest(changed) != identity.model_digest(one)

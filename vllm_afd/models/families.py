@@ -38,10 +38,7 @@ class Family:
         attention: classes in ``module`` the FFN role replaces by nothing.
         gate: attribute of the MoE block holding the router gate.
         gate_parts: checkpoint names of router parts beside the gate in
-            the MoE block (ERNIE-4.5's ``moe_statics``, MiniMax-M2's
-            ``e_score_correction_bias``: score biases); a parameter the block
-            holds under such a name is dropped on the role that does not
-            route.
+            the MoE block (ERNIE-4.5's ``moe_statics``: its score bias).
         moe_modules: (module, dense-MLP class or None) of each other vLLM
             module whose classes build this family's MoE blocks.
     """
@@ -130,16 +127,6 @@ FAMILIES: tuple[Family, ...] = (
         archs=("GraniteMoeForCausalLM",),
         dense_mlp=None,
         attention=("GraniteMoeAttention",),
-    ),
-    Family(
-        # sigmoid scores with a correction bias the block itself holds
-        # (loaded where the router runs); plain vLLM serves it on GPUs only
-        name="minimax_m2",
-        module="minimax_m2",
-        archs=("MiniMaxM2ForCausalLM",),
-        dense_mlp=None,
-        attention=("MiniMaxM2Attention",),
-        gate_parts=("e_score_correction_bias",),
     ),
     Family(
         name="ernie4_5_moe",

@@ -182,7 +182,6 @@ class RoleSplitMixin(nn.Module):
             self, self._afd_arch, family, afd, recorded, vllm_config
         )
         self._afd_finish_attention(family)
-        self._afd_drop_routing_parts(family)
         check_role_weights(self, afd, self.afd_split)
         self.afd_ffn: FFNLayers | None = None
         if afd.is_ffn:
@@ -212,19 +211,6 @@ class RoleSplitMixin(nn.Module):
                         setattr(block, child_name, AbsentGate())
                     continue
                 setattr(block, child_name, Absent())
-
-    def _afd_drop_routing_parts(self, family: Family) -> None:
-        """On the role that does not route, drop the router parts an MoE
-        block holds as its own parameters (``family.gate_parts``: MiniMax-M2's
-        score bias). vLLM's router keeps a reference it never reads here: the
-        other role routes."""
-        if self.afd.is_ffn != self.afd.compute_gate_on_attention:
-            return  # this role routes
-        for block_name in self.afd_split.prefixes.moe_blocks:
-            block = self.get_submodule(block_name)
-            for part in family.gate_parts:
-                if isinstance(block._parameters.get(part), nn.Parameter):
-                    block.register_parameter(part, None)
 
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes of the parameters this role holds, by :func:`parameter_group`."""

@@ -4,8 +4,9 @@ Two roles that hold checkpoints of the same shapes but other weights would
 exchange tensors happily and serve wrong tokens. The digest covers what
 changes the numbers:
 
-* the model's config (vLLM's ``hf_config``, as a canonical JSON), the dtype,
-  the quantization method, and the load format;
+* the model's config (vLLM's ``hf_config`` as loaded, before the model is
+  built: :func:`remember_config`; as a canonical JSON), the dtype, the
+  quantization method, and the load format;
 * the weight files: for each ``*.safetensors`` / ``*.bin`` / ``*.pt`` file of
   the checkpoint directory, its name (relative to the directory), its size and
   :data:`SAMPLES` chunks of :data:`CHUNK` bytes at evenly spaced offsets, first
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,9 @@ CHUNK = 64 * 1024
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 #: config keys that name where or by what a config was written, not the model
 _VOLATILE_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
+#: each config as loaded, before the model was built (``remember_config``):
+#: id -> (the config, weakly, to tell a reused id apart; its JSON)
+_AS_LOADED: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
 def sample_file(path: Path, digest: Any) -> None:
@@ -75,6 +80,17 @@ def config_json(hf_config: Any) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
+def remember_config(vllm_config: Any) -> None:
+    """Keep the model config as vLLM loaded it, before the role builds its
+    model: some models' vLLM code writes into it while building, and each role
+    builds other parts (MiniMax-M2's attention class sets
+    ``rope_parameters["partial_rotary_factor"]``, on the attention role only;
+    its model class stores the role's ``max_model_len``).
+    :func:`model_digest` digests the kept one."""
+    hf_config = vllm_config.model_config.hf_config
+    _AS_LOADED[id(hf_config)] = (weakref.ref(hf_config), config_json(hf_config))
+
+
 def _local_dir(model: str, revision: str | None) -> Path | None:
     if os.path.isdir(model):
         return Path(model)
@@ -95,8 +111,11 @@ def model_digest(vllm_config: Any) -> str:
     """The digest of the model this role serves (sha256 hex, 16 digits)."""
     model = vllm_config.model_config
     load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    ref, loaded = _AS_LOADED.get(id(model.hf_config), (None, None))
+    if ref is None or ref() is not model.hf_config:
+        loaded = config_json(model.hf_config)  # not remembered: as it is now
     parts = {
-        "config": config_json(model.hf_config),
+        "config": loaded,
         "dtype": str(model.dtype),
         "quantization": str(model.quantization),
         "load_format": load_format,

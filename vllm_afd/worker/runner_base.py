@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_afd import lifeline
 from vllm_afd.worker.endpoint import Endpoint
+from vllm_afd.worker.identity import remember_config
 from vllm_afd.worker.metrics import MetricsPublisher
 from vllm_afd.worker.profiling import StepProfiler
 
@@ -34,6 +35,7 @@ class AFDRunnerMixin:
     afd_profiler: StepProfiler | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
+        remember_config(self.vllm_config)  # as loaded: building may write to it
         super().load_model(*args, **kwargs)  # type: ignore[misc]  # native runner, next in the MRO
         self.afd_start()
 
