@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -447,16 +448,25 @@ class ServerPool:
         :meth:`deployment` waits for it. Nothing when ``keep`` leaves no room
         for it, or one of its key runs or starts. A failed start is started
         again, in the open, by :meth:`deployment`."""
-        key = self.deployment_key(spec)
+        self._start_beside(
+            self.deployment_key(spec), "prestarted deployment", lambda: start(spec)
+        )
+
+    def _start_beside(
+        self, key: tuple, what: str, starter: Callable[[], tuple[Any, LogSink | None]]
+    ) -> None:
+        """Run ``starter`` on a thread and add what it started under ``key``
+        (nothing when ``keep`` leaves no room beside one more, or ``key`` runs
+        or starts); a failed start is printed and left out."""
         if self.keep < 2 or key in self._live or key in self._starting:
             return
         self._make_room(free=2)
 
         def run() -> None:
             try:
-                started = start(spec)
+                started = starter()
             except LaunchError as e:
-                print(f"prestarted deployment did not start: {e}")
+                print(f"{what} did not start: {e}")
                 return
             with self._lock:
                 self._live[key] = started
@@ -465,10 +475,13 @@ class ServerPool:
         self._starting[key] = thread
         thread.start()
 
-    def _join(self, key: tuple) -> None:
+    def _join(self, key: tuple) -> bool:
+        """Wait for a start :meth:`_start_beside` began under ``key``;
+        whether there was one."""
         starting = self._starting.pop(key, None)
         if starting is not None:
             starting.join()
+        return starting is not None
 
     def take(self, spec: DeploymentSpec, **start_kw: Any) -> tuple[Deployment, LogSink]:
         """The pool's deployment of ``spec``'s settings, out of the pool, for
@@ -502,11 +515,8 @@ class ServerPool:
         """The pool's running server of ``server``'s key (``server`` started
         if none runs; one :meth:`prestart` began is waited for)."""
         key = self.plain_key(server)
-        starting = self._starting.pop(key, None)
-        if starting is not None:
-            starting.join()
-            if key not in self._live:
-                raise LaunchError("plain vLLM failed to start (see the log above)")
+        if self._join(key) and key not in self._live:
+            raise LaunchError("plain vLLM failed to start (see the log above)")
         if key not in self._live:
             self._make_room()
             server.start(ready_timeout=ready_timeout)
@@ -520,23 +530,12 @@ class ServerPool:
         the time of two after another: most of a start is single-threaded
         imports); :meth:`running` waits for it. Nothing when ``keep`` leaves
         no room for it beside a deployment, or one of its key runs."""
-        key = self.plain_key(server)
-        if self.keep < 2 or key in self._live or key in self._starting:
-            return
-        self._make_room(free=2)
 
-        def start() -> None:
-            try:
-                server.start(ready_timeout=ready_timeout)
-            except LaunchError as e:
-                print(f"plain vLLM did not start: {e}")
-                return
-            with self._lock:
-                self._live[key] = (server, None)
+        def starter() -> tuple[PlainServer, None]:
+            server.start(ready_timeout=ready_timeout)
+            return server, None
 
-        thread = threading.Thread(target=start, daemon=True)
-        self._starting[key] = thread
-        thread.start()
+        self._start_beside(self.plain_key(server), "plain vLLM", starter)
 
     def _make_room(self, free: int = 1) -> None:
         while True:
@@ -779,16 +778,22 @@ def afd_vs_plain(
     texts: list[str],
     plain: list[Completion] | None = None,
     ffn_metrics: bool = False,
+    then: DeploymentSpec | None = None,
     **start_kw: Any,
 ) -> Compared:
     """The workload on the pool's deployment of ``spec`` (started if none
     runs), the /metrics of its attention role (FFN rank 0's with
     ``ffn_metrics``), and the same workload's outputs from plain vLLM with
-    the same settings (unless ``plain`` already holds them). Comparing is
-    the caller's."""
+    the same settings (unless ``plain`` already holds them). ``then``: the
+    deployment the next test will ask for, started beside this one once this
+    one runs (``POOL.prestart_deployment``; this one is then the most recently
+    used, so making room for it never stops this one). Comparing is the
+    caller's."""
     if plain is None:
         prestart_plain(spec, texts)
     afd, log = POOL.deployment(spec, **start_kw)
+    if then is not None:
+        POOL.prestart_deployment(then)
     try:
         afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
         metrics = settled_metrics(afd.ffn.url if ffn_metrics else afd.api_url)

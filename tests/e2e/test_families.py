@@ -130,17 +130,16 @@ IDS = [
 ]
 
 
-def _prestart_next(request, family_models, case: tuple) -> None:
-    """Start the next case's deployment beside this one's (when the session
-    runs it): two start in about 1.5 times one on two cores."""
+def _next_spec(request, family_models, case: tuple):
+    """The next case's spec, when the session runs it (its deployment starts
+    beside this case's work: ``afd_vs_plain(then=...)``), else None."""
     at = CASES.index(case) + 1
     if at < len(CASES) and any(
         item.nodeid.endswith(f"[{IDS[at]}]") for item in request.session.items
     ):
         family, ranks, ffn_ranks, gate, connector = CASES[at]
-        POOL.prestart_deployment(
-            _spec(family_models[family], ranks, ffn_ranks, gate, connector)
-        )
+        return _spec(family_models[family], ranks, ffn_ranks, gate, connector)
+    return None
 
 
 @pytest.mark.parametrize(
@@ -150,10 +149,10 @@ def test_family_exact_and_role_split(
     request, family_models, family, ranks, ffn_ranks, gate_on_attention, connector
 ):
     case = (family, ranks, ffn_ranks, gate_on_attention, connector)
-    _prestart_next(request, family_models, case)
     spec = _spec(family_models[family], ranks, ffn_ranks, gate_on_attention, connector)
     texts = prompts(16)  # test_faults.py and test_multi_host.py's workload
-    run = afd_vs_plain(spec, texts)  # plain vLLM once per family (harness)
+    # plain vLLM once per family (harness); the next case starts meanwhile
+    run = afd_vs_plain(spec, texts, then=_next_spec(request, family_models, case))
     same = sum(
         a.token_ids == p.token_ids for a, p in zip(run.afd, run.plain, strict=True)
     )
