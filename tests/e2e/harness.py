@@ -297,9 +297,7 @@ class PlainRunner:
     def _start(self) -> None:
         read, write = os.pipe()
         env = dict(os.environ)
-        if env.get(envs.AFD_SERVER_STARTS):
-            with open(env[envs.AFD_SERVER_STARTS], "a") as f:
-                f.write("plain (plain_runner.py: the session's CPU baselines)\n")
+        envs.note_server_start([sys.executable, "plain_runner.py"])  # a plain start
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("plain_runner.py")),

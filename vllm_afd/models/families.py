@@ -26,6 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def vllm_module_path(module: str) -> str:
+    """The import path of a vLLM model module as its registry names it
+    (``qwen3_moe``, or an absolute ``vllm.…`` path)."""
+    if module.startswith("vllm."):
+        return module
+    return f"vllm.model_executor.models.{module}"
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's record.
@@ -54,14 +62,14 @@ class Family:
 
     @property
     def module_path(self) -> str:
-        return f"vllm.model_executor.models.{self.module}"
+        return vllm_module_path(self.module)
 
     @property
     def builders(self) -> tuple[tuple[str, str | None], ...]:
         """(module path, dense-MLP class) of every module that builds MoE
         blocks or dense MLPs of this family, its own first."""
         return ((self.module_path, self.dense_mlp),) + tuple(
-            (f"vllm.model_executor.models.{m}", c) for m, c in self.moe_modules
+            (vllm_module_path(m), c) for m, c in self.moe_modules
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from vllm_afd.models.families import family_of
+from vllm_afd.models.families import family_of, vllm_module_path
 
 #: what was found where an architecture was tried with a tiny checkpoint
 TRIED: dict[str, str] = {
@@ -40,12 +40,6 @@ TRIED: dict[str, str] = {
 _SECTIONS = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
 
 
-def _module_name(module: str) -> str:
-    return (
-        module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
-    )
-
-
 def _imports(module: str) -> str:
     """A pattern of an import from ``module`` (relative or absolute)."""
     name = re.escape(module.rsplit(".", 1)[-1])
@@ -54,7 +48,7 @@ def _imports(module: str) -> str:
 
 def _source(module: str) -> str:
     try:
-        spec = importlib.util.find_spec(_module_name(module))
+        spec = importlib.util.find_spec(vllm_module_path(module))
     except (ImportError, ValueError):
         return ""
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):

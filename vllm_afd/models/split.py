@@ -31,7 +31,12 @@ from vllm_afd.connector.payloads import Routing
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.models.construction import Recorded, role_construction
 from vllm_afd.models.exchange import current_exchange, forward_mode
-from vllm_afd.models.families import SUPPORTED_ARCHS, Family, family_of
+from vllm_afd.models.families import (
+    SUPPORTED_ARCHS,
+    Family,
+    family_of,
+    vllm_module_path,
+)
 from vllm_afd.models.ffn_layers import FFNLayers
 from vllm_afd.models.layout import ModelSplit, model_log_line
 from vllm_afd.models.moe_tail import closing_add_fused
@@ -325,7 +330,7 @@ def role_split_class(arch: str) -> type:
         )
     module_name, class_name = _VLLM_MODELS[arch]
     native = getattr(
-        importlib.import_module(f"vllm.model_executor.models.{module_name}"),
+        importlib.import_module(vllm_module_path(module_name)),
         class_name,
     )
     cls = type(

@@ -151,9 +151,6 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 #: layers): it is the tiny models' expert width
 _EXPERT_WIDE = ("mixtral", "olmoe", "granitemoe", "minimax_m2", "gpt_oss")
 
-#: where vLLM registers an architecture under another name than transformers
-_ARCH_NAMES: dict[str, str] = {}
-
 HF_ARCHS = tuple(_FAMILIES)
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2",)
@@ -207,8 +204,7 @@ def hf_config(
             for i in range(num_layers)
         ]
     config = config_cls(**kwargs)
-    name = type(config).__name__.replace("Config", "ForCausalLM")
-    config.architectures = [_ARCH_NAMES.get(name, name)]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config
 
 
