@@ -40,7 +40,7 @@ if [ "$AFD_TARGET" = cpu ]; then
 else
   "${pip[@]}" install "vllm==0.32.0"
 fi
-"${pip[@]}" install -e ".[dev]"
+"${pip[@]}" install -e ".[dev,pd]"
 if [ "$AFD_TARGET" = cpu ]; then
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

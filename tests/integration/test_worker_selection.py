@@ -126,6 +126,26 @@ def test_ffn_role_on_cpu_reserves_no_kv_cache_memory(
     assert mine.create_engine_config().cache_config.kv_cache_memory_bytes == 1 << 20
 
 
+def test_ffn_role_refuses_a_kv_connector_the_attention_role_takes(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    from vllm.config import KVTransferConfig
+
+    kv = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    with pytest.raises(AFDConfigError, match="FFN role holds no KV cache"):
+        _engine_args(
+            checkpoint, {"role": "ffn"}, kv_transfer_config=KVTransferConfig(**kv)
+        ).create_engine_config()
+    attention = _engine_args(
+        checkpoint, {"role": "attention"}, kv_transfer_config=KVTransferConfig(**kv)
+    ).create_engine_config()
+    assert attention.kv_transfer_config.kv_connector == "ExampleConnector"
+
+
 @pytest.mark.parametrize(
     ("role", "worker"),
     [("attention", AFD_CPU_ATTENTION_WORKER), ("ffn", AFD_CPU_FFN_WORKER)],

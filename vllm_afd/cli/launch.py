@@ -24,6 +24,13 @@ from pathlib import Path
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, dry_run, placement, ready_line
 from vllm_afd.deploy.logs import ConsoleFilter, TextSink, new_log_dir
+from vllm_afd.deploy.pd import (
+    PDDeployment,
+    PDSpec,
+    check_router_installed,
+    pd_dry_run,
+    pd_ready_line,
+)
 from vllm_afd.deploy.placement import PlacementError
 from vllm_afd.deploy.process import DeploymentEnded, LaunchError
 
@@ -57,7 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "0.0.0.0 for all interfaces) (default: 127.0.0.1; across hosts this "
         "node's address in --hosts)",
     )
-    p.add_argument("--port", type=int, default=8000, help="attention API port")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="API port: the attention role's (with --prefill: the router's)",
+    )
     p.add_argument(
         "--ffn-port",
         type=int,
@@ -126,9 +138,62 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds an FFN rank may leave /health unanswered before it counts "
         "as hung and is killed (and restarted)",
     )
+    add_pd_flags(p)
     add_log_flags(p)
     p.set_defaults(vllm_args=[])  # main() puts everything after `--` here
     p.set_defaults(func=run_launch)
+
+
+def add_pd_flags(p: argparse.ArgumentParser) -> None:
+    """AFD as the decode side of a prefill/decode deployment."""
+    g = p.add_argument_group(
+        "prefill/decode disaggregation",
+        "With --prefill N the deployment is the decode side: N plain prefill "
+        "servers hand their KV cache to the attention role through vLLM's KV "
+        "connector (--kv-transfer-config among the vLLM arguments; default "
+        "ExampleConnector through files in the log directory), and vLLM's "
+        "router answers on --port (docs/deployment.md).",
+    )
+    g.add_argument(
+        "--prefill",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="plain vLLM prefill servers in front of the AFD decode deployment "
+        "(0: none, the attention role answers on --port)",
+    )
+    g.add_argument(
+        "--decode-port",
+        type=int,
+        default=None,
+        help="with --prefill: the decode attention API port (default: --port + 1; "
+        "the FFN ranks follow it)",
+    )
+    g.add_argument(
+        "--prefill-port",
+        type=int,
+        default=None,
+        help="with --prefill: API port of prefill server 0, server k on "
+        "--prefill-port + k (default: after the FFN ports)",
+    )
+    g.add_argument(
+        "--prefill-args",
+        type=shlex.split,
+        default=[],
+        help="extra vllm serve arguments for the prefill servers only",
+    )
+    g.add_argument(
+        "--prefill-devices",
+        metavar="LIST",
+        help="CUDA_VISIBLE_DEVICES of the prefill servers",
+    )
+    g.add_argument(
+        "--prefill-restarts",
+        type=_non_negative_int,
+        default=10,
+        help="restart a prefill server that exits, with a backoff of 1, 2, 4 "
+        "... 30 s, at most this many times in a row",
+    )
 
 
 def add_log_flags(p: argparse.ArgumentParser) -> None:
@@ -253,11 +318,23 @@ def run_launch(args: argparse.Namespace) -> int:
                 args.node_rank, os.environ, len(hosts)
             )
         spec = DeploymentSpec.from_args(args, list(args.vllm_args))
+        pd = _pd_spec(spec, args) if args.prefill else None
         if args.dry_run:
-            print(dry_run(spec, only=args.node_rank), flush=True)
+            text = (
+                dry_run(spec, only=args.node_rank)
+                if pd is None
+                else pd_dry_run(pd, (args.log_dir or Path("LOG_DIR")) / "kv")
+            )
+            print(text, flush=True)
             return 0
+        if pd is not None:
+            check_router_installed()
         console, log_dir = console_and_logs(args, "launch")
-        deployment = Deployment(spec, log=console, log_dir=log_dir)
+        deployment: Deployment | PDDeployment = (
+            Deployment(spec, log=console, log_dir=log_dir)
+            if pd is None
+            else PDDeployment(pd, log=console, log_dir=log_dir)
+        )
         if deployment.budget.note:
             print(f"vllm-afd launch: {deployment.budget.note}", file=sys.stderr)
     except (LaunchError, PlacementError) as exc:
@@ -275,7 +352,12 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         deployment.start(args.ready_timeout)
         started.set()
-        print(ready_line(deployment), flush=True)
+        line = (
+            pd_ready_line(deployment)
+            if isinstance(deployment, PDDeployment)
+            else ready_line(deployment)
+        )
+        print(line, flush=True)
         while not stop.is_set():
             deployment.supervise()
             stop.wait(1.0)
@@ -289,6 +371,19 @@ def run_launch(args: argparse.Namespace) -> int:
     finally:
         deployment.stop()
     return 0
+
+
+def _pd_spec(spec: DeploymentSpec, args: argparse.Namespace) -> PDSpec:
+    return PDSpec.make(
+        spec,
+        prefill=args.prefill,
+        port=args.port,
+        decode_port=args.decode_port,
+        prefill_port=args.prefill_port,
+        prefill_args=args.prefill_args,
+        prefill_devices=args.prefill_devices,
+        prefill_restarts=args.prefill_restarts,
+    )
 
 
 class _Stopped(Exception):

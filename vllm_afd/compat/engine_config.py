@@ -199,6 +199,10 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
     )
     if config.speculative_config is not None:
         raise AFDConfigError("AFD does not support speculative decoding yet")
+    if afd.is_ffn and config.kv_transfer_config is not None:
+        from vllm_afd.deploy.spec import ffn_kv_refusal
+
+        raise AFDConfigError(ffn_kv_refusal())
     if getattr(parallel, "use_sequence_parallel_moe", False):
         raise AFDConfigError(
             "AFD does not support sequence-parallel MoE (the MoE block gathers "

@@ -21,8 +21,15 @@ from vllm_afd.deploy.memory import (
     sets_memory,
     user_env_sets_cpu_kv,
 )
-from vllm_afd.deploy.process import RoleProcess
-from vllm_afd.deploy.spec import DeploymentSpec, tensor_parallel_size, vllm_arg
+from vllm_afd.deploy.process import LaunchError, RoleProcess
+from vllm_afd.deploy.spec import (
+    KV_TRANSFER_FLAG,
+    DeploymentSpec,
+    ffn_kv_refusal,
+    tensor_parallel_size,
+    vllm_arg,
+    without_option,
+)
 
 #: CPU work-around for vLLM 0.32.0's rotary kernel on DeepSeek (see docs).
 CPU_COMPILATION_CONFIG = '{"custom_ops":["all","-rotary_embedding"]}'
@@ -158,9 +165,13 @@ def role_processes(
         if spec.multi_host
         else {}
     )
+    if vllm_arg(spec.ffn_args, KV_TRANSFER_FLAG) is not None:
+        raise LaunchError(ffn_kv_refusal())
     common = list(spec.vllm_args)
     if wants_cpu_workaround(spec):
         common += ["--compilation-config", CPU_COMPILATION_CONFIG]
+    # a KV connector among the common arguments is the attention role's
+    ffn_common = without_option(common, KV_TRANSFER_FLAG)
     ffn_port = spec.ffn_port or spec.port + 1
     attention_devices, ffn_devices = spec.role_devices()
     procs = []
@@ -173,7 +184,7 @@ def role_processes(
         host = api_host_of(spec, spec.ffn_args, node)
         extra += budget.ffn_args
         argv = serve_argv(
-            spec.model, ffn_port + k, extra + spec.ffn_args + common, host
+            spec.model, ffn_port + k, extra + spec.ffn_args + ffn_common, host
         )
         env = {**child_env(ffn_devices[k]), **node_vars}
         procs.append(RoleProcess(name, argv, ffn_port + k, env, host))
@@ -198,11 +209,16 @@ SHOWN_VARIABLES = (
 )  # fmt: skip
 
 
-def dry_run(spec: DeploymentSpec, only: int | None = None) -> str:
+def dry_run(
+    spec: DeploymentSpec,
+    only: int | None = None,
+    budget: MemoryBudget | None = None,
+) -> str:
     """Every node's processes as shell lines (``only``: that node's): the
     variables a process gets beyond the launcher's environment, then its
     ``vllm-afd serve`` command. Interfaces of other hosts than this one show
-    as ``<interface of ADDRESS>``."""
+    as ``<interface of ADDRESS>``. ``budget``: the memory shares (default
+    :func:`memory_budget` of each node)."""
     place = spec.placement()
     out = [f"# AFD {spec.attention_ranks}A{spec.ffn_ranks}F on {place.num_nodes} "]
     out[0] += "node" if place.num_nodes == 1 else "nodes"
@@ -211,7 +227,7 @@ def dry_run(spec: DeploymentSpec, only: int | None = None) -> str:
         if only is not None and node != only:
             continue
         out.append(f"## node {node} ({place.hosts[node]})")
-        for proc in role_processes(spec, node, check_local=False):
+        for proc in role_processes(spec, node, check_local=False, budget=budget):
             shown = [
                 f"{k}={shlex.quote(proc.env[k])}"
                 for k in SHOWN_VARIABLES

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vllm_afd.deploy.commands import memory_budget, role_processes
 from vllm_afd.deploy.logs import TextSink
+from vllm_afd.deploy.memory import MemoryBudget
 from vllm_afd.deploy.process import (
     STARTING_STOP_S,
     WILDCARD_HOSTS,
@@ -41,7 +42,8 @@ class Deployment:
     ``log`` gets every role's output, each line prefixed ``[role]`` (a
     :class:`~vllm_afd.deploy.logs.ConsoleFilter` shows a short console);
     ``log_dir`` (when given) also keeps each role's full log in
-    ``log_dir/ROLE.log``, named in the error when a role exits.
+    ``log_dir/ROLE.log``, named in the error when a role exits. ``budget``:
+    the roles' memory shares (default :func:`memory_budget`).
     """
 
     def __init__(
@@ -49,11 +51,12 @@ class Deployment:
         spec: DeploymentSpec,
         log: TextSink | None = sys.stdout,
         log_dir: Path | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.spec = spec
         self.log = log
         self.log_dir = log_dir
-        self.budget = memory_budget(spec)
+        self.budget = memory_budget(spec) if budget is None else budget
         self.processes = role_processes(spec, budget=self.budget)
         if log_dir is not None:
             for proc in self.processes:

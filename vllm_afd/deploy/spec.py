@@ -268,6 +268,37 @@ def vllm_arg(args: Sequence[str], *names: str) -> str | None:
     return value
 
 
+#: vLLM's option that configures a KV connector
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+
+
+def without_option(args: Sequence[str], name: str) -> list[str]:
+    """vLLM arguments ``args`` without option ``name`` (``--opt V`` and
+    ``--opt=V``)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == name:
+            skip = True
+            continue
+        if arg.startswith(name + "="):
+            continue
+        out.append(arg)
+    return out
+
+
+def ffn_kv_refusal() -> str:
+    """The error for a KV connector given to the FFN role."""
+    return (
+        "the FFN role holds no KV cache, so it takes no KV connector "
+        f"({KV_TRANSFER_FLAG}): give it to the attention role (and, with PD, "
+        "to the prefill servers)"
+    )
+
+
 def tensor_parallel_size(args: Sequence[str]) -> int:
     """The ``--tensor-parallel-size`` / ``-tp`` in vLLM arguments (1 if none)."""
     try:

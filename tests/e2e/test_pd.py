@@ -1,0 +1,140 @@
+"""AFD as the decode side of prefill/decode disaggregation (``launch --prefill``).
+
+A plain prefill server computes each prompt's KV cache (vLLM's
+``ExampleConnector``, through files), the AFD decode deployment's attention
+role loads it and decodes, vLLM's router sends each request to both in turn.
+Through the router, greedy ids and top-5 logprobs equal plain vLLM's on the
+same model and settings, at 1A1F and 2A1F, and the decode attention role
+counts prompt tokens loaded from the connector (so the KV cache did come from
+prefill). The requests go one after another: with vLLM's ExampleConnector on
+CPU, requests that overlap on the decode side sometimes come out otherwise,
+with plain vLLM as the decode side too (docs/deployment.md).
+
+Then the prefill server is SIGKILLed: requests through the router fail with
+HTTP 5xx, decode keeps serving (straight to its API), the supervisor starts
+prefill again, and requests through the router are exact again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+from harness import (
+    LogSink,
+    Supervisor,
+    assert_same_outputs,
+    complete,
+    free_port_pair,
+    free_ports,
+    http_error,
+    make_spec,
+    plain_outputs,
+    prestart_plain,
+    print_log_tail,
+    prompts,
+    wait_for,
+    workload_jobs,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_afd.deploy.pd import PDDeployment, PDSpec
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
+
+ARGS = ["--dtype", "float32", "--enforce-eager"]
+#: the decode side computes each prompt's tail beside a loaded prefix, in
+#: other GEMM shapes than plain vLLM's one prefill (measured: 7.4e-6 at most)
+ATOL = 1e-4
+READY_TIMEOUT_S = 420.0
+#: the supervisor starts a killed prefill server again within this (backoff
+#: 1 s, then a start of ~30 s on two cores)
+PREFILL_BACK_S = 240.0
+
+
+def _pd_spec(model, attention: int, ffn: int) -> PDSpec:
+    spec = make_spec(model, ARGS, attention_ranks=attention, ffn_ranks=ffn)
+    taken = {spec.port, spec.ffn_port, spec.afd_port, spec.afd_port + 1}
+    router = next(p for p in free_ports(4) if p not in taken)
+    # prefill server's port and the next, the router's metrics
+    prefill = next(
+        p for p in iter(free_port_pair, None) if not {p, p + 1} & {*taken, router}
+    )
+    return PDSpec.make(
+        spec, prefill=1, port=router, decode_port=spec.port, prefill_port=prefill
+    )
+
+
+def one_by_one(url: str, model: str, texts: list[str]) -> list:
+    """The workload's requests in turn (even ones streamed)."""
+    jobs = workload_jobs(texts)
+    return [complete(url, model, p, n, i % 2 == 0) for i, (p, n) in enumerate(jobs)]
+
+
+def _loaded_tokens(url: str) -> float:
+    """Prompt tokens the server took from its KV connector (vLLM's counter
+    ``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prompt_tokens_by_source_total"
+        and sample.labels.get("source") == "external_kv_transfer"
+    )
+
+
+@pytest.mark.parametrize("topology", ["1A1F", "2A1F"])
+def test_pd_with_afd_decode_equals_plain_vllm(family_models, tmp_path, topology):
+    attention, ffn = int(topology[0]), int(topology[2])
+    pd_spec = _pd_spec(family_models["qwen3_moe"], attention, ffn)
+    texts = prompts()
+    prestart_plain(pd_spec.decode, texts)
+    log = LogSink()
+    pd = PDDeployment(pd_spec, log=log, log_dir=tmp_path)
+    try:
+        pd.start(READY_TIMEOUT_S)
+        model = pd_spec.decode.model
+        out = one_by_one(pd.api_url, model, texts)
+        decode_url = pd.decode.api_url
+        loaded = _loaded_tokens(decode_url)
+        assert loaded > 0, "the decode attention role loaded no KV from prefill"
+        assert_same_outputs(out, plain_outputs(pd_spec.decode, texts), ATOL)
+        print(f"PD {topology}: {loaded:.0f} prompt tokens' KV from prefill")
+        if topology == "2A1F":
+            _prefill_killed(pd, texts, model)
+    except BaseException:
+        print_log_tail(log)
+        raise
+    finally:
+        pd.stop()
+    assert not [p.name for p in pd.processes if p.exit_code() is None]
+
+
+def _prefill_killed(pd: PDDeployment, texts: list[str], model: str) -> None:
+    prefill = pd.prefills[0]
+    assert prefill.proc is not None
+    with Supervisor(pd) as sup:
+        os.killpg(prefill.proc.pid, signal.SIGKILL)
+        wait_for(lambda: prefill.exit_code() is not None, 30, "prefill to exit")
+        body = {"model": model, "prompt": texts[9], "max_tokens": 4}
+        status, text = http_error(f"{pd.api_url}/v1/completions", body, 60)
+        assert status >= 500, (status, text)
+        print(f"prefill down: the router answers {status}: {text[:200]}")
+        # decode serves on, straight to its API
+        direct = complete(pd.decode.api_url, model, texts[3], 8, stream=False)
+        assert len(direct.token_ids) == 8
+        t0 = time.monotonic()
+        wait_for(
+            lambda: prefill.restarts == 1 and prefill.healthy() or sup.error,
+            PREFILL_BACK_S,
+            "the supervisor to start prefill again",
+        )
+        assert sup.error is None, sup.error
+        print(f"prefill back after {time.monotonic() - t0:.0f}s")
+        again = one_by_one(pd.api_url, model, texts)
+    assert_same_outputs(again, plain_outputs(pd.decode.spec, texts), ATOL)

@@ -1,0 +1,162 @@
+"""``launch --prefill``: the processes of a PD deployment, where the KV
+connector goes, and what is refused (no servers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from vllm_afd.cli import main as cli
+from vllm_afd.deploy import DeploymentSpec, LaunchError, role_processes
+from vllm_afd.deploy.pd import (
+    DEFAULT_KV_CONNECTOR,
+    PDSpec,
+    default_kv_config,
+    kv_transfer_config,
+    pd_budget,
+    pd_dry_run,
+    pd_processes,
+    side_config,
+)
+from vllm_afd.deploy.spec import KV_TRANSFER_FLAG, vllm_arg, without_option
+
+KV = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"x": 1}}
+
+
+def _spec(**kw) -> DeploymentSpec:
+    base = dict(model="m", port=9000, afd_port=30000, cpu_workaround=False)
+    return DeploymentSpec(**{**base, **kw})
+
+
+def _kv_of(argv: list[str]) -> dict | None:
+    raw = vllm_arg(argv, KV_TRANSFER_FLAG)
+    return None if raw is None else json.loads(raw)
+
+
+def test_kv_transfer_config_is_read_in_both_forms_and_bad_ones_refused() -> None:
+    assert kv_transfer_config(["--dtype", "float32"]) is None
+    assert kv_transfer_config([KV_TRANSFER_FLAG, json.dumps(KV)]) == KV
+    assert kv_transfer_config([f"{KV_TRANSFER_FLAG}={json.dumps(KV)}"]) == KV
+    with pytest.raises(LaunchError, match="is not JSON"):
+        kv_transfer_config([KV_TRANSFER_FLAG, "{kv_connector"])
+    with pytest.raises(LaunchError, match="with a kv_connector"):
+        kv_transfer_config([KV_TRANSFER_FLAG, '{"kv_role": "kv_both"}'])
+    args = ["--a", "1", KV_TRANSFER_FLAG, "{}", f"{KV_TRANSFER_FLAG}=x", "--b"]
+    assert without_option(args, KV_TRANSFER_FLAG) == ["--a", "1", "--b"]
+
+
+def test_each_side_gets_its_kv_role_unless_the_user_gave_one() -> None:
+    assert json.loads(side_config(KV, "kv_producer"))["kv_role"] == "kv_producer"
+    mine = {**KV, "kv_role": "kv_both"}
+    assert json.loads(side_config(mine, "kv_consumer"))["kv_role"] == "kv_both"
+
+
+def test_without_prefill_a_kv_connector_reaches_the_attention_role_only() -> None:
+    spec = _spec(vllm_args=["--dtype", "float32", KV_TRANSFER_FLAG, json.dumps(KV)])
+    ffn, attention = role_processes(spec)
+    assert _kv_of(attention.argv) == KV
+    assert _kv_of(ffn.argv) is None
+    assert ffn.argv[-2:] == ["--dtype", "float32"]
+    with pytest.raises(LaunchError, match="FFN role holds no KV cache"):
+        role_processes(_spec(ffn_args=[KV_TRANSFER_FLAG, json.dumps(KV)]))
+
+
+def test_pd_ports_follow_the_router_and_the_kv_config_leaves_the_common_args() -> None:
+    decode = _spec(attention_ranks=2, ffn_ranks=2, vllm_args=[KV_TRANSFER_FLAG, "{}"])
+    with pytest.raises(LaunchError, match="with a kv_connector"):
+        PDSpec.make(decode, prefill=1, port=9000)
+    decode.vllm_args = ["--dtype", "float32", KV_TRANSFER_FLAG, json.dumps(KV)]
+    pd = PDSpec.make(decode, prefill=2, port=9000)
+    assert pd.kv_config == KV
+    assert pd.decode.port == 9001 and pd.first_prefill_port() == 9004
+    assert KV_TRANSFER_FLAG not in pd.decode.vllm_args
+    ports = [p.port for p in role_processes(pd.decode)]
+    assert ports == [9002, 9003, 9001]
+    prefills, router = pd_processes(pd, KV, pd_budget(pd))
+    assert [(p.name, p.port) for p in prefills] == [
+        ("prefill0", 9004),
+        ("prefill1", 9005),
+    ]
+    assert all(_kv_of(p.argv)["kv_role"] == "kv_producer" for p in prefills)
+    assert prefills[0].argv[-2:] == ["--dtype", "float32"]
+    argv = router.argv
+    assert argv[1:3] == ["-m", "vllm_router.launch_router"]
+    assert "--vllm-pd-disaggregation" in argv
+    assert argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:9001"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--prefill"] == [
+        "http://127.0.0.1:9004",
+        "http://127.0.0.1:9005",
+    ]
+    given = PDSpec.make(
+        _spec(), prefill=1, port=7000, decode_port=7100, prefill_port=7200
+    )
+    assert (given.decode.port, given.first_prefill_port()) == (7100, 7200)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pd_kw", "match"),
+    [
+        ({}, {"prefill": 0}, "at least 1 prefill server"),
+        ({"hosts": ("10.0.0.1", "10.0.0.2")}, {}, "across hosts start them yourself"),
+        ({"ffn_args": [KV_TRANSFER_FLAG, "{}"]}, {}, "FFN role holds no KV cache"),
+    ],
+)
+def test_pd_refusals(kw, pd_kw, match) -> None:
+    with pytest.raises(LaunchError, match=match):
+        PDSpec.make(_spec(**kw), **{"prefill": 1, "port": 9000, **pd_kw})
+
+
+def test_on_cpu_prefill_servers_share_the_kv_budget_of_the_host(monkeypatch) -> None:
+    import vllm_afd.deploy.pd as pd_mod
+
+    monkeypatch.setattr(pd_mod, "available_ram", lambda: 24 << 30)
+    monkeypatch.setattr(pd_mod, "checkpoint_bytes", lambda model: 0)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    pd = PDSpec.make(_spec(cpu_workaround=True), prefill=1, port=9000)
+    budget = pd_budget(pd)
+    size = budget.attention_args[1]
+    prefills, _ = pd_processes(pd, KV, budget)
+    assert vllm_arg(prefills[0].argv, "--kv-cache-memory-bytes") == size
+    # two KV holders of three workers: (24 - 3 * 3) * 0.8 / 2 GiB, at most 4
+    assert int(size) == 4 << 30
+    mine = PDSpec.make(
+        _spec(cpu_workaround=True), prefill=1, port=9000,
+        prefill_args=["--kv-cache-memory-bytes", "1G"],
+    )  # fmt: skip
+    prefills, _ = pd_processes(mine, KV, pd_budget(mine))
+    assert vllm_arg(prefills[0].argv, "--kv-cache-memory-bytes") == "1G"
+
+
+def test_dry_run_lists_every_process_in_start_order(tmp_path, capsys) -> None:
+    text = pd_dry_run(PDSpec.make(_spec(), prefill=1, port=9000), tmp_path / "kv")
+    heads = [line for line in text.splitlines() if line.startswith("# ")]
+    kinds = ("prefill", "ffn", "attention", "router")
+    names = [h[2:] for h in heads if h[2:] in kinds]
+    assert names == ["prefill", "ffn", "attention", "router"]
+    assert (
+        json.dumps(default_kv_config(tmp_path / "kv"))[:-1]
+        .split('"kv_connector": ')[1]
+        .startswith(f'"{DEFAULT_KV_CONNECTOR}"')
+    )
+    assert str(tmp_path / "kv") in text
+    code = cli.main(
+        ["launch", "m", "--prefill", "1", "--dry-run", "--", "--dtype", "float32"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "vllm-router --vllm-pd-disaggregation" in out
+    assert '"kv_role": "kv_consumer"' in out and '"kv_role": "kv_producer"' in out
+
+
+def test_launch_without_the_router_says_how_to_install_it(monkeypatch, capsys) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm_router" else real(name, *a),
+    )
+    assert cli.main(["launch", "m", "--prefill", "1", "--", "--dtype", "float32"]) == 2
+    assert "pip install 'vllm-afd[pd]'" in capsys.readouterr().err

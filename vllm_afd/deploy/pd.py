@@ -1,0 +1,454 @@
+"""AFD inside prefill/decode disaggregation: plain vLLM prefill servers hand
+their KV cache to an AFD decode deployment through one of vLLM's own KV
+connectors, with vLLM's router in front.
+
+::
+
+    client -> router (vllm-router --vllm-pd-disaggregation, the one API port)
+                -> prefill server k   (plain vllm serve, kv_role kv_producer)
+                     request with max_tokens=1: computes the prompt's KV cache
+                -> decode attention   (the AFD attention role, kv_role kv_consumer)
+                     the same request: loads the prompt's KV, decodes
+                     <-> FFN ranks    (no KV cache, never a KV connector)
+
+The KV connector is vLLM's ``--kv-transfer-config`` (given among the vLLM
+arguments); without one, vLLM's reference ``ExampleConnector`` through a
+directory of this run (:func:`default_kv_config`: it works on CPU; it keeps
+one file per prompt and layer, so it is for trying PD, not for production).
+A ``kv_role`` the user gives is kept; otherwise the prefill servers get
+``kv_producer`` and the decode attention role ``kv_consumer``.
+
+Start order: prefill servers, then the decode deployment (FFN ranks, then
+attention), then the router; stop order: the router, the decode deployment
+(attention first), the prefill servers. A prefill server that exits is
+started again with a backoff; its requests in flight fail at the router
+(HTTP 5xx) and decode serves on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_afd.deploy.commands import (
+    CPU_COMPILATION_CONFIG,
+    child_env,
+    on_cpu,
+    serve_argv,
+    wants_cpu_workaround,
+)
+from vllm_afd.deploy.deployment import MAX_BACKOFF_S, STABLE_S, Deployment
+from vllm_afd.deploy.logs import TextSink
+from vllm_afd.deploy.memory import (
+    MemoryBudget,
+    available_ram,
+    checkpoint_bytes,
+    cpu_budget,
+    sets_memory,
+    user_env_sets_cpu_kv,
+)
+from vllm_afd.deploy.process import LaunchError, RoleProcess
+from vllm_afd.deploy.spec import (
+    KV_TRANSFER_FLAG,
+    DeploymentSpec,
+    ffn_kv_refusal,
+    tensor_parallel_size,
+    vllm_arg,
+    without_option,
+)
+
+#: the KV connector of a PD deployment when none is given (vLLM's reference
+#: connector: KV through files; works on CPU)
+DEFAULT_KV_CONNECTOR = "ExampleConnector"
+
+
+def kv_transfer_config(args: Sequence[str]) -> dict | None:
+    """The ``--kv-transfer-config`` among vLLM arguments, parsed (None when
+    absent).
+
+    Raises:
+        LaunchError: it is not a JSON object.
+    """
+    raw = vllm_arg(args, KV_TRANSFER_FLAG)
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise LaunchError(
+            f"{KV_TRANSFER_FLAG} {raw!r} is not JSON ({exc.msg}); e.g. "
+            f'{KV_TRANSFER_FLAG} \'{{"kv_connector": "{DEFAULT_KV_CONNECTOR}"}}\''
+        ) from None
+    if not isinstance(config, dict) or "kv_connector" not in config:
+        raise LaunchError(
+            f"{KV_TRANSFER_FLAG} must be a JSON object with a kv_connector, got {raw!r}"
+        )
+    return config
+
+
+def default_kv_config(kv_dir: Path) -> dict:
+    """vLLM's reference KV connector through files under ``kv_dir``."""
+    return {
+        "kv_connector": DEFAULT_KV_CONNECTOR,
+        "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)},
+    }
+
+
+def side_config(config: dict, kv_role: str) -> str:
+    """``config`` as the ``--kv-transfer-config`` of one side: the user's
+    ``kv_role`` kept, else ``kv_role``."""
+    return json.dumps({"kv_role": kv_role, **config})
+
+
+@dataclass
+class PDSpec:
+    """A PD deployment: ``prefill`` plain prefill servers (ports
+    ``prefill_port + k``), the AFD ``decode`` deployment, the router on
+    ``port``.
+
+    ``kv_config`` is the KV connector both sides use (None: the default,
+    :func:`default_kv_config` under the run's directory); ``prefill_args``
+    go to the prefill servers only.
+    """
+
+    decode: DeploymentSpec
+    prefill: int = 1
+    port: int = 8000
+    prefill_port: int | None = None  # None: after the decode ports
+    prefill_args: list[str] = field(default_factory=list)
+    prefill_devices: str | None = None
+    kv_config: dict | None = None
+    prefill_restarts: int = 10
+
+    @classmethod
+    def make(
+        cls,
+        decode: DeploymentSpec,
+        *,
+        prefill: int,
+        port: int,
+        decode_port: int | None = None,
+        prefill_port: int | None = None,
+        prefill_args: Sequence[str] = (),
+        prefill_devices: str | None = None,
+        prefill_restarts: int = 10,
+    ) -> PDSpec:
+        """The PD spec around ``decode`` (whose ``vllm_args`` may hold a
+        ``--kv-transfer-config``: it moves to :attr:`kv_config`), the router
+        on ``port``, the decode attention API on ``decode_port`` (default
+        ``port + 1``; its FFN ranks after it).
+
+        Raises:
+            LaunchError: a bad prefill count, a deployment across hosts, a KV
+                connector given to the FFN ranks, or a bad
+                ``--kv-transfer-config``.
+        """
+        if prefill < 1:
+            raise LaunchError(f"--prefill {prefill}: give at least 1 prefill server")
+        if decode.multi_host:
+            raise LaunchError(
+                "--prefill starts prefill servers and the router on this host; "
+                "across hosts start them yourself and point a router at the "
+                "decode attention API (docs/deployment.md, PD)"
+            )
+        if vllm_arg(decode.ffn_args, KV_TRANSFER_FLAG) is not None:
+            raise LaunchError(ffn_kv_refusal())
+        config = kv_transfer_config([*decode.vllm_args, *decode.attention_args])
+        decode = dataclasses.replace(
+            decode,
+            port=decode_port or port + 1,
+            vllm_args=without_option(decode.vllm_args, KV_TRANSFER_FLAG),
+            attention_args=without_option(decode.attention_args, KV_TRANSFER_FLAG),
+        )
+        return cls(
+            decode=decode,
+            prefill=prefill,
+            port=port,
+            prefill_port=prefill_port,
+            prefill_args=list(prefill_args),
+            prefill_devices=prefill_devices,
+            kv_config=config,
+            prefill_restarts=prefill_restarts,
+        )
+
+    def first_prefill_port(self) -> int:
+        ffn_port = self.decode.ffn_port or self.decode.port + 1
+        return self.prefill_port or ffn_port + self.decode.ffn_ranks
+
+    def metrics_port(self) -> int:
+        """The router's Prometheus port: the one after the prefill servers'."""
+        return self.first_prefill_port() + self.prefill
+
+
+def pd_budget(spec: PDSpec) -> MemoryBudget:
+    """On CPU, the KV cache of every KV holder of this host: the decode
+    attention workers and the prefill servers share what the roles leave
+    (:func:`~vllm_afd.deploy.memory.cpu_budget`); elsewhere, or when the
+    user sizes it, nothing added."""
+    decode = spec.decode
+    att_args = [*decode.vllm_args, *decode.attention_args]
+    if not on_cpu(decode) or sets_memory(att_args) or user_env_sets_cpu_kv():
+        return MemoryBudget()
+    return cpu_budget(
+        attention_workers=decode.attention_ranks * tensor_parallel_size(att_args)
+        + spec.prefill,
+        ffn_workers=decode.ffn_ranks
+        * tensor_parallel_size([*decode.vllm_args, *decode.ffn_args]),
+        weight_bytes=checkpoint_bytes(decode.model),
+        available=available_ram(),
+    )
+
+
+def pd_processes(
+    spec: PDSpec, kv_config: dict, budget: MemoryBudget
+) -> tuple[list[RoleProcess], RoleProcess]:
+    """The prefill servers and the router of ``spec`` (not started)."""
+    decode = spec.decode
+    common = list(decode.vllm_args)
+    if wants_cpu_workaround(decode):
+        common += ["--compilation-config", CPU_COMPILATION_CONFIG]
+    kv = [KV_TRANSFER_FLAG, side_config(kv_config, "kv_producer")]
+    host = "127.0.0.1" if decode.api_host is None else decode.api_host
+    first = spec.first_prefill_port()
+    memory = [] if sets_memory(spec.prefill_args) else list(budget.attention_args)
+    prefills = []
+    for k in range(spec.prefill):
+        name = "prefill" if spec.prefill == 1 else f"prefill{k}"
+        argv = serve_argv(
+            decode.model, first + k, [*kv, *memory, *spec.prefill_args, *common], host
+        )
+        prefills.append(
+            RoleProcess(name, argv, first + k, child_env(spec.prefill_devices), host)
+        )
+    router = RoleProcess(
+        "router",
+        router_argv(spec, [p.url for p in prefills], host),
+        spec.port,
+        child_env(None),
+        host,
+    )
+    return prefills, router
+
+
+def router_argv(spec: PDSpec, prefill_urls: Sequence[str], host: str) -> list[str]:
+    """vLLM's router in PD mode: a request goes to a prefill server with
+    ``max_tokens=1``, then whole to the decode attention API."""
+    decode_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}"
+    argv = [sys.executable, "-m", "vllm_router.launch_router"]
+    argv += ["--vllm-pd-disaggregation", "--host", host, "--port", str(spec.port)]
+    for url in prefill_urls:
+        argv += ["--prefill", url]
+    argv += ["--decode", f"{decode_url}:{spec.decode.port}"]
+    argv += ["--policy", "round_robin", "--log-level", "warning"]
+    # its Prometheus metrics (/metrics) on the port after the prefill servers
+    argv += ["--prometheus-host", host, "--prometheus-port", str(spec.metrics_port())]
+    return argv
+
+
+def check_router_installed() -> None:
+    """Raises LaunchError when vLLM's router is not importable."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_router") is None:
+        raise LaunchError(
+            "--prefill puts vLLM's router in front (the vllm-router package), "
+            "which is not installed: pip install 'vllm-afd[pd]'"
+        )
+
+
+class PDDeployment:
+    """A running PD deployment: prefill servers, an AFD decode
+    :class:`~vllm_afd.deploy.deployment.Deployment`, the router."""
+
+    def __init__(
+        self,
+        spec: PDSpec,
+        log: TextSink | None = sys.stdout,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.spec = spec
+        self.log = log
+        self.log_dir = log_dir
+        self.kv_dir: Path | None = None
+        kv_config = spec.kv_config
+        if kv_config is None:
+            if log_dir is None:
+                raise LaunchError("a PD deployment without a KV config needs a log_dir")
+            self.kv_dir = log_dir / "kv"
+            self.kv_dir.mkdir(parents=True, exist_ok=True)
+            kv_config = default_kv_config(self.kv_dir)
+        self.kv_config = kv_config
+        self.budget = pd_budget(spec)
+        decode = dataclasses.replace(
+            spec.decode,
+            attention_args=[
+                *spec.decode.attention_args,
+                KV_TRANSFER_FLAG,
+                side_config(kv_config, "kv_consumer"),
+            ],
+        )
+        self.decode = Deployment(decode, log=log, log_dir=log_dir, budget=self.budget)
+        self.prefills, self.router = pd_processes(spec, kv_config, self.budget)
+        if log_dir is not None:
+            for proc in [*self.prefills, self.router]:
+                proc.log_file = log_dir / f"{proc.name}.log"
+        self.ready = False
+
+    @property
+    def api_url(self) -> str:
+        return self.router.url
+
+    @property
+    def processes(self) -> list[RoleProcess]:
+        """Every process, in start order."""
+        return [*self.prefills, *self.decode.processes, self.router]
+
+    def start(self, ready_timeout: float = 600.0) -> None:
+        """Start the prefill servers and the decode deployment together (the
+        decode side waits for nothing of prefill), then, once all are healthy,
+        the router; wait until it answers too.
+
+        Raises:
+            LaunchError: a process exited, or not all were healthy within
+                ``ready_timeout`` s (naming which); every process stopped.
+        """
+        deadline = time.monotonic() + ready_timeout
+        for proc in self.prefills:
+            proc.start(self.log)
+        try:
+            self.decode.start(ready_timeout)
+            self._wait(self.prefills, deadline, ready_timeout)
+            self.router.start(self.log)
+            self._wait([self.router], deadline, ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready = True
+
+    def _wait(self, procs: list[RoleProcess], deadline: float, timeout: float) -> None:
+        waiting = list(procs)
+        while waiting:
+            for proc in waiting:
+                if (code := proc.exit_code()) is not None:
+                    raise LaunchError(proc.exited(code))
+            waiting = [p for p in waiting if not p.healthy()]
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in waiting)
+                raise LaunchError(
+                    f"timed out after {timeout:.0f}s waiting for {names} to "
+                    "become healthy"
+                )
+            time.sleep(0.5)
+
+    def supervise(self, now: float | None = None) -> None:
+        """One round of supervision: the decode deployment's
+        (:meth:`Deployment.supervise`), a prefill server that exited starts
+        again after a backoff of 1, 2, 4 … 30 s (at most
+        ``spec.prefill_restarts`` in a row).
+
+        Raises:
+            LaunchError: the router exited, a prefill server used up its
+                restarts, or the decode deployment ended; every process
+                stopped first.
+        """
+        now = time.monotonic() if now is None else now
+        try:
+            self.decode.supervise(now)
+        except LaunchError:
+            self.stop()
+            raise
+        if (code := self.router.exit_code()) is not None:
+            self.stop()
+            raise LaunchError(f"{self.router.exited(code)}; every process stops")
+        for proc in self.prefills:
+            if proc.restart_at is not None:
+                if now >= proc.restart_at:
+                    proc.restart_at = None
+                    self._say(f"starting {proc.name} again (restart {proc.restarts})")
+                    proc.start(self.log)
+                continue
+            code = proc.exit_code()
+            if code is None:
+                continue
+            if now - proc.started_at >= STABLE_S:
+                proc.restarts = 0
+            if proc.restarts >= self.spec.prefill_restarts:
+                self.stop()
+                raise LaunchError(
+                    f"{proc.exited(code)}; it failed {proc.restarts} restarts in a row"
+                )
+            proc.restarts += 1
+            delay = min(2.0 ** (proc.restarts - 1), MAX_BACKOFF_S)
+            proc.restart_at = now + delay
+            self._say(
+                f"{proc.exited(code)}; its requests in flight failed; restarting "
+                f"it in {delay:.0f}s (restart {proc.restarts})"
+            )
+
+    def _say(self, line: str) -> None:
+        print(f"vllm-afd launch: {line}", file=sys.stderr, flush=True)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the router, then the decode deployment (attention first),
+        then the prefill servers."""
+        self.router.stop(timeout)
+        self.decode.stop(timeout)
+        for proc in self.prefills:
+            proc.request_stop()
+        deadline = time.monotonic() + timeout
+        for proc in self.prefills:
+            proc.finish_stop(deadline)
+        self.ready = False
+
+    def __enter__(self) -> PDDeployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def pd_ready_line(pd: PDDeployment) -> str:
+    spec = pd.spec
+    decode = spec.decode
+    return (
+        f"PD {spec.prefill}P + AFD {decode.attention_ranks}A{decode.ffn_ranks}F "
+        f"ready: {pd.api_url}/v1 (router; KV connector "
+        f"{pd.kv_config['kv_connector']})"
+    )
+
+
+def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
+    """Every process of ``spec`` as shell lines, in start order."""
+    from vllm_afd.deploy.commands import dry_run
+
+    kv = spec.kv_config or default_kv_config(kv_dir)
+    decode = dataclasses.replace(
+        spec.decode,
+        attention_args=[
+            *spec.decode.attention_args,
+            KV_TRANSFER_FLAG,
+            side_config(kv, "kv_consumer"),
+        ],
+    )
+    budget = pd_budget(spec)
+    prefills, router = pd_processes(spec, kv, budget)
+    out = [f"# PD: {spec.prefill} prefill server(s), AFD decode, router on {spec.port}"]
+    for proc in prefills:
+        out.append(f"# {proc.name}")
+        out.append(_shell(["vllm-afd", *proc.argv[3:]]))
+    out.append(dry_run(decode, budget=budget))
+    out.append("# router")
+    out.append(_shell(["vllm-router", *router.argv[3:]]))
+    return "\n".join(out)
+
+
+def _shell(argv: list[str]) -> str:
+    import shlex
+
+    return shlex.join(argv)
