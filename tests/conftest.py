@@ -1,15 +1,25 @@
-"""The whole suite: how many servers it started and how long it took.
+"""The whole suite: how it is spread over two workers, how many servers it
+started and how long it took.
+
+``make test`` runs pytest with two workers (pytest-xdist, ``--dist
+loadgroup``): each end-to-end module is one group, run whole by one worker
+(its module-scoped deployments, and the pool and plain baselines of its
+worker, stay together), the most expensive modules first (:data:`E2E_COST`);
+the other tests spread over both. A server start is mostly one core's work
+(imports), so two streams keep the two cores busy.
 
 Every ``vllm-afd serve`` process appends a line to the file named by
 ``AFD_SERVER_STARTS`` (``vllm_afd.envs``). Each test module points that
-variable at a file of its own, so the summary at the end counts the starts by
-role and by module, beside the session's wall time, against the budget in
-docs/testing.md. (A server a pool starts on a thread is counted for the test
-that asked for it.)
+variable at a file of its own in the session's directory
+(``AFD_TEST_SESSION_DIR``, made by the first process and inherited by the
+workers), so the summary at the end counts the starts by role and by module,
+beside the session's wall time, against the budget in docs/testing.md. (A
+server a pool starts on a thread is counted for the test that asked for it.)
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections import Counter
@@ -19,8 +29,50 @@ import pytest
 
 from vllm_afd import envs
 
-_STARTS = Path(tempfile.mkdtemp(prefix="afd-starts-"))
+#: the directory every worker of the session writes its figures to
+SESSION_DIR_VAR = "AFD_TEST_SESSION_DIR"
+if SESSION_DIR_VAR not in os.environ:  # the first process; workers inherit it
+    os.environ[SESSION_DIR_VAR] = tempfile.mkdtemp(prefix="afd-session-")
+_SESSION = Path(os.environ[SESSION_DIR_VAR])
+_STARTS = _SESSION / "starts"
+_STARTS.mkdir(exist_ok=True)
 _T0 = time.monotonic()
+
+#: seconds each end-to-end module took in a full run on two cores, the most
+#: expensive first: the order the workers take them in (a module not listed
+#: goes after these)
+E2E_COST = {
+    "test_families.py": 675,
+    "test_scale_out.py": 316,
+    "test_exact_1a1f.py": 309,
+    "test_faults.py": 205,
+    "test_plan.py": 165,
+    "test_pd.py": 150,
+    "test_multi_host.py": 126,
+    "test_launcher.py": 114,
+    "test_gate_on_attention.py": 112,
+    "test_bench.py": 80,
+    "test_demo.py": 50,
+    "test_baseline.py": 40,
+    "test_model_identity.py": 35,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each end-to-end module one xdist group, the expensive ones first."""
+    rank = {name: i for i, name in enumerate(E2E_COST)}
+
+    def order(item) -> tuple[int, int]:
+        path = Path(str(item.fspath))
+        if path.parent.name != "e2e":
+            return (1, 0)
+        return (0, rank.get(path.name, len(rank)))
+
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name == "e2e":
+            item.add_marker(pytest.mark.xdist_group(path.stem))
+    items.sort(key=order)  # stable: a module's own order is kept
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,7 +85,24 @@ def _count_server_starts(request):
         yield
 
 
+#: the end-to-end figures (``harness.Results``) printed at the end
+RESULT_TITLES = {
+    "families": "AFD model families (identical greedy / bytes)",
+    "hosts": "AFD across emulated hosts (identical greedy / start-up)",
+    "faults": "AFD faults (seconds from the fault)",
+    "plan": "vllm-afd plan (predicted vs measured)",
+}
+
+
 def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for name, title in RESULT_TITLES.items():
+        path = _SESSION / f"results-{name}"
+        if path.exists():
+            terminalreporter.section(title)
+            for line in path.read_text().splitlines():
+                terminalreporter.write_line(line)
     roles: Counter[str] = Counter()
     modules: Counter[str] = Counter()
     for path in sorted(_STARTS.iterdir()):
@@ -49,3 +118,10 @@ def pytest_terminal_summary(terminalreporter):
     )
     for module, n in modules.most_common():
         terminalreporter.write_line(f"  {n:3d}  {module}")
+
+
+def pytest_unconfigure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        shutil.rmtree(_SESSION, ignore_errors=True)

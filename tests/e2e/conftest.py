@@ -14,10 +14,21 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 @pytest.fixture(scope="session", autouse=True)
 def server_pool():
     """The session's shared server lifetimes (``harness.POOL``), stopped at
-    the end."""
+    the end; vLLM's model-info cache filled first (``warm_registry.py``, one
+    worker at a time)."""
+    import fcntl
+    import subprocess
+
     import harness
 
-    harness.POOL.keep = 3
+    lock = os.path.join(os.environ["AFD_TEST_SESSION_DIR"], "warm-registry.lock")
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        script = os.path.join(os.path.dirname(__file__), "warm_registry.py")
+        subprocess.run([sys.executable, script], check=True, timeout=300)
+
+    # two workers each keep fewer idle servers (the host's memory is shared)
+    harness.POOL.keep = 2 if os.environ.get("PYTEST_XDIST_WORKER") else 3
     yield harness.POOL
     harness.POOL.close()
     harness.PLAIN_RUNNER.close()
@@ -55,20 +66,3 @@ def family_models(tmp_path_factory):
         arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=3)
         for arch in TINY_ARCHS
     }
-
-
-def pytest_terminal_summary(terminalreporter):
-    """The figures of test_families.py, test_multi_host.py, test_faults.py
-    and test_plan.py, at the end."""
-    harness = sys.modules.get("harness")
-    for title, results in (
-        ("AFD model families (identical greedy / bytes)", "FAMILY_RESULTS"),
-        ("AFD across emulated hosts (identical greedy / start-up)", "HOST_RESULTS"),
-        ("AFD faults (seconds from the fault)", "FAULT_RESULTS"),
-        ("vllm-afd plan (predicted vs measured)", "PLAN_RESULTS"),
-    ):
-        lines = getattr(harness, results, [])
-        if lines:
-            terminalreporter.section(title)
-            for line in lines:
-                terminalreporter.write_line(line)

@@ -33,14 +33,32 @@ import pytest
 from vllm_afd import envs
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 
+
+class Results:
+    """Lines a test leaves for the summary at the end of the session, in a
+    file of the session's directory (``AFD_TEST_SESSION_DIR``, see
+    tests/conftest.py), so that the process that prints the summary sees
+    every worker's."""
+
+    def __init__(self, name: str) -> None:
+        self.path = Path(os.environ["AFD_TEST_SESSION_DIR"]) / f"results-{name}"
+
+    def append(self, line: str) -> None:
+        with self.path.open("a") as f:
+            f.write(line.replace("\n", " ") + "\n")
+
+    def lines(self) -> list[str]:
+        return self.path.read_text().splitlines() if self.path.exists() else []
+
+
 #: one line per model-family case (test_families.py), printed at the end
-FAMILY_RESULTS: list[str] = []
+FAMILY_RESULTS = Results("families")
 #: one line per multi-host case (test_multi_host.py), printed at the end
-HOST_RESULTS: list[str] = []
+HOST_RESULTS = Results("hosts")
 #: one line per fault-tolerance case (test_faults.py), printed at the end
-FAULT_RESULTS: list[str] = []
+FAULT_RESULTS = Results("faults")
 #: predicted vs measured of the plan check (test_plan.py), printed at the end
-PLAN_RESULTS: list[str] = []
+PLAN_RESULTS = Results("plan")
 
 #: settings shared by AFD and the baseline: exactness is "same settings"
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
