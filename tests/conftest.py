@@ -58,8 +58,10 @@ E2E_COST = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Each end-to-end module one xdist group, the expensive ones first."""
+    """Each end-to-end module one xdist group, the expensive ones first (before
+    xdist's own hook reads the groups)."""
     rank = {name: i for i, name in enumerate(E2E_COST)}
 
     def order(item) -> tuple[int, int]:

@@ -8,6 +8,11 @@ log with a prefix, and stops everything on Ctrl-C, SIGTERM, or when an
 attention process exits (naming it). An FFN rank that exits or hangs is
 restarted with a backoff (``--ffn-restarts``, ``--ffn-health-timeout``);
 the attention ranks rejoin it and serve on.
+
+With ``--prefill N`` the deployment is the decode side of a prefill/decode
+deployment (:mod:`vllm_afd.deploy.pd`): N plain prefill servers, the KV
+connector of ``--kv-transfer-config`` between them and the attention role,
+and vLLM's router on ``--port``.
 """
 
 from __future__ import annotations
