@@ -1,12 +1,12 @@
 """The whole suite: how it is spread over two workers, how many servers it
 started and how long it took.
 
-``make test`` runs pytest with two workers (pytest-xdist, ``--dist
-loadgroup``): each end-to-end module is one group, run whole by one worker
-(its module-scoped deployments, and the pool and plain baselines of its
-worker, stay together), the most expensive modules first (:data:`E2E_COST`);
-the other tests spread over both. A server start is mostly one core's work
-(imports), so two streams keep the two cores busy.
+``make test`` runs pytest with two workers (pytest-xdist, ``--dist loadfile
+--no-loadscope-reorder``): one worker runs a test module whole (an end-to-end
+module's deployments, and the pool and plain baselines of its worker, stay
+together), the most expensive end-to-end modules first (:data:`E2E_COST`,
+the collection order the workers take modules in). A server start is mostly
+one core's work (imports), so two streams keep the two cores busy.
 
 Every ``vllm-afd serve`` process appends a line to the file named by
 ``AFD_SERVER_STARTS`` (``vllm_afd.envs``). Each test module points that
@@ -60,8 +60,8 @@ E2E_COST = {
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Each end-to-end module one xdist group, the expensive ones first (before
-    xdist's own hook reads the groups)."""
+    """The expensive end-to-end modules first (xdist hands out modules in
+    the order of the collection)."""
     rank = {name: i for i, name in enumerate(E2E_COST)}
 
     def order(item) -> tuple[int, int]:
@@ -70,10 +70,6 @@ def pytest_collection_modifyitems(config, items):
             return (1, 0)
         return (0, rank.get(path.name, len(rank)))
 
-    for item in items:
-        path = Path(str(item.fspath))
-        if path.parent.name == "e2e":
-            item.add_marker(pytest.mark.xdist_group(path.stem))
     items.sort(key=order)  # stable: a module's own order is kept
 
 
