@@ -14,8 +14,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 @pytest.fixture(scope="session", autouse=True)
 def server_pool():
     """The session's shared server lifetimes (``harness.POOL``), stopped at
-    the end; vLLM's model-info cache filled first (``warm_registry.py``, one
-    worker at a time)."""
+    the end; vLLM's model-info cache filled first (``warm_registry.py``; one
+    process at a time)."""
     import fcntl
     import subprocess
 
@@ -27,8 +27,7 @@ def server_pool():
         script = os.path.join(os.path.dirname(__file__), "warm_registry.py")
         subprocess.run([sys.executable, script], check=True, timeout=300)
 
-    # two workers each keep fewer idle servers (the host's memory is shared)
-    harness.POOL.keep = 2 if os.environ.get("PYTEST_XDIST_WORKER") else 3
+    harness.POOL.keep = 3
     yield harness.POOL
     harness.POOL.close()
     harness.PLAIN_RUNNER.close()

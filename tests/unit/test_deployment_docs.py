@@ -1,5 +1,5 @@
 """Every ``vllm-afd launch`` command of docs/deployment.md is valid: run with
-``--dry-run`` for each of its nodes, it prints that node's processes."""
+``--dry-run`` (for each of its nodes across hosts), it prints the processes."""
 
 from __future__ import annotations
 
@@ -33,11 +33,27 @@ def _commands() -> list[list[str]]:
     return found
 
 
-def test_the_page_has_the_bare_host_slurm_and_kubernetes_commands():
-    assert len(_commands()) == 3
+def _across_hosts() -> list[list[str]]:
+    return [argv for argv in _commands() if "--hosts" in argv]
 
 
-@pytest.mark.parametrize("argv", _commands(), ids=["bare", "slurm", "kubernetes"])
+def test_the_page_has_the_bare_host_slurm_kubernetes_and_pd_commands():
+    assert len(_across_hosts()) == 3
+    assert len([argv for argv in _commands() if "--prefill" in argv]) == 1
+
+
+def test_the_pd_command_of_the_page_is_valid(capsys):
+    [argv] = [argv for argv in _commands() if "--prefill" in argv]
+    cut = argv.index("--")
+    assert cli.main([*argv[:cut], "--dry-run", *argv[cut:]]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("# ")]
+    assert [
+        h for h in heads if h in ("# prefill", "# ffn", "# attention", "# router")
+    ] == ["# prefill", "# ffn", "# attention", "# router"]
+
+
+@pytest.mark.parametrize("argv", _across_hosts(), ids=["bare", "slurm", "kubernetes"])
 def test_every_launch_command_of_the_page_is_valid_on_every_node(
     argv, capsys, monkeypatch
 ):

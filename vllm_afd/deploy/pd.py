@@ -28,7 +28,9 @@ started again with a backoff; its requests in flight fail at the router
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +40,7 @@ from pathlib import Path
 from vllm_afd.deploy.commands import (
     CPU_COMPILATION_CONFIG,
     child_env,
+    dry_run,
     on_cpu,
     serve_argv,
     wants_cpu_workaround,
@@ -52,7 +55,7 @@ from vllm_afd.deploy.memory import (
     sets_memory,
     user_env_sets_cpu_kv,
 )
-from vllm_afd.deploy.process import LaunchError, RoleProcess
+from vllm_afd.deploy.process import LaunchError, RoleProcess, connect_host
 from vllm_afd.deploy.spec import (
     KV_TRANSFER_FLAG,
     DeploymentSpec,
@@ -238,7 +241,7 @@ def pd_processes(
 def router_argv(spec: PDSpec, prefill_urls: Sequence[str], host: str) -> list[str]:
     """vLLM's router in PD mode: a request goes to a prefill server with
     ``max_tokens=1``, then whole to the decode attention API."""
-    decode_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}"
+    decode_url = f"http://{connect_host(host)}"
     argv = [sys.executable, "-m", "vllm_router.launch_router"]
     argv += ["--vllm-pd-disaggregation", "--host", host, "--port", str(spec.port)]
     for url in prefill_urls:
@@ -252,8 +255,6 @@ def router_argv(spec: PDSpec, prefill_urls: Sequence[str], host: str) -> list[st
 
 def check_router_installed() -> None:
     """Raises LaunchError when vLLM's router is not importable."""
-    import importlib.util
-
     if importlib.util.find_spec("vllm_router") is None:
         raise LaunchError(
             "--prefill puts vLLM's router in front (the vllm-router package), "
@@ -425,8 +426,6 @@ def pd_ready_line(pd: PDDeployment) -> str:
 
 def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
     """Every process of ``spec`` as shell lines, in start order."""
-    from vllm_afd.deploy.commands import dry_run
-
     kv = spec.kv_config or default_kv_config(kv_dir)
     decode = dataclasses.replace(
         spec.decode,
@@ -441,14 +440,8 @@ def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
     out = [f"# PD: {spec.prefill} prefill server(s), AFD decode, router on {spec.port}"]
     for proc in prefills:
         out.append(f"# {proc.name}")
-        out.append(_shell(["vllm-afd", *proc.argv[3:]]))
+        out.append(shlex.join(["vllm-afd", *proc.argv[3:]]))
     out.append(dry_run(decode, budget=budget))
     out.append("# router")
-    out.append(_shell(["vllm-router", *router.argv[3:]]))
+    out.append(shlex.join(["vllm-router", *router.argv[3:]]))
     return "\n".join(out)
-
-
-def _shell(argv: list[str]) -> str:
-    import shlex
-
-    return shlex.join(argv)
