@@ -110,10 +110,10 @@ def test_pd_refusals(kw, pd_kw, match) -> None:
 
 
 def test_on_cpu_prefill_servers_share_the_kv_budget_of_the_host(monkeypatch) -> None:
-    import vllm_afd.deploy.pd as pd_mod
+    import vllm_afd.deploy.commands as commands
 
-    monkeypatch.setattr(pd_mod, "available_ram", lambda: 24 << 30)
-    monkeypatch.setattr(pd_mod, "checkpoint_bytes", lambda model: 0)
+    monkeypatch.setattr(commands, "available_ram", lambda: 24 << 30)
+    monkeypatch.setattr(commands, "checkpoint_bytes", lambda model: 0)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     pd = PDSpec.make(_spec(cpu_workaround=True), prefill=1, port=9000)
     budget = pd_budget(pd)

@@ -48,10 +48,14 @@ def on_cpu(spec: DeploymentSpec) -> bool:
         return True
 
 
-def memory_budget(spec: DeploymentSpec, node: int | None = None) -> MemoryBudget:
+def memory_budget(
+    spec: DeploymentSpec, node: int | None = None, extra_kv_workers: int = 0
+) -> MemoryBudget:
     """How the role processes of ``node`` share its memory
     (:mod:`vllm_afd.deploy.memory`): a CPU host's RAM, or a GPU that roles
-    or attention ranks share.
+    or attention ranks share. ``extra_kv_workers``: other KV-cache holders
+    of this CPU host that take the attention workers' share (the prefill
+    servers of a PD deployment).
 
     Raises:
         MemoryBudgetError: they cannot share it; the message has the numbers.
@@ -66,7 +70,8 @@ def memory_budget(spec: DeploymentSpec, node: int | None = None) -> MemoryBudget
             return MemoryBudget()
         ffn = len(place.ffn_ranks_on(node)) * tensor_parallel_size(ffn_args)
         return cpu_budget(
-            attention_workers=attention * tensor_parallel_size(att_args),
+            attention_workers=attention * tensor_parallel_size(att_args)
+            + extra_kv_workers,
             ffn_workers=ffn,
             weight_bytes=checkpoint_bytes(spec.model),
             available=available_ram(),

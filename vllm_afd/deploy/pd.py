@@ -41,26 +41,19 @@ from vllm_afd.deploy.commands import (
     CPU_COMPILATION_CONFIG,
     child_env,
     dry_run,
+    memory_budget,
     on_cpu,
     serve_argv,
     wants_cpu_workaround,
 )
 from vllm_afd.deploy.deployment import MAX_BACKOFF_S, STABLE_S, Deployment
 from vllm_afd.deploy.logs import TextSink
-from vllm_afd.deploy.memory import (
-    MemoryBudget,
-    available_ram,
-    checkpoint_bytes,
-    cpu_budget,
-    sets_memory,
-    user_env_sets_cpu_kv,
-)
+from vllm_afd.deploy.memory import MemoryBudget, sets_memory
 from vllm_afd.deploy.process import LaunchError, RoleProcess, connect_host
 from vllm_afd.deploy.spec import (
     KV_TRANSFER_FLAG,
     DeploymentSpec,
     ffn_kv_refusal,
-    tensor_parallel_size,
     vllm_arg,
     without_option,
 )
@@ -189,21 +182,21 @@ class PDSpec:
 
 
 def pd_budget(spec: PDSpec) -> MemoryBudget:
-    """On CPU, the KV cache of every KV holder of this host: the decode
-    attention workers and the prefill servers share what the roles leave
-    (:func:`~vllm_afd.deploy.memory.cpu_budget`); elsewhere, or when the
-    user sizes it, nothing added."""
-    decode = spec.decode
-    att_args = [*decode.vllm_args, *decode.attention_args]
-    if not on_cpu(decode) or sets_memory(att_args) or user_env_sets_cpu_kv():
-        return MemoryBudget()
-    return cpu_budget(
-        attention_workers=decode.attention_ranks * tensor_parallel_size(att_args)
-        + spec.prefill,
-        ffn_workers=decode.ffn_ranks
-        * tensor_parallel_size([*decode.vllm_args, *decode.ffn_args]),
-        weight_bytes=checkpoint_bytes(decode.model),
-        available=available_ram(),
+    """The decode roles' memory shares (:func:`memory_budget`); on CPU the
+    prefill servers are KV holders beside the attention workers and share
+    their KV budget."""
+    return memory_budget(spec.decode, extra_kv_workers=spec.prefill)
+
+
+def consumer_spec(spec: PDSpec, kv_config: dict) -> DeploymentSpec:
+    """The decode deployment, its attention role the KV consumer."""
+    return dataclasses.replace(
+        spec.decode,
+        attention_args=[
+            *spec.decode.attention_args,
+            KV_TRANSFER_FLAG,
+            side_config(kv_config, "kv_consumer"),
+        ],
     )
 
 
@@ -218,7 +211,9 @@ def pd_processes(
     kv = [KV_TRANSFER_FLAG, side_config(kv_config, "kv_producer")]
     host = "127.0.0.1" if decode.api_host is None else decode.api_host
     first = spec.first_prefill_port()
-    memory = [] if sets_memory(spec.prefill_args) else list(budget.attention_args)
+    # on CPU, the prefill servers' share of the host's KV budget
+    mine = sets_memory(spec.prefill_args) or not on_cpu(decode)
+    memory = [] if mine else list(budget.attention_args)
     prefills = []
     for k in range(spec.prefill):
         name = "prefill" if spec.prefill == 1 else f"prefill{k}"
@@ -285,15 +280,9 @@ class PDDeployment:
             kv_config = default_kv_config(self.kv_dir)
         self.kv_config = kv_config
         self.budget = pd_budget(spec)
-        decode = dataclasses.replace(
-            spec.decode,
-            attention_args=[
-                *spec.decode.attention_args,
-                KV_TRANSFER_FLAG,
-                side_config(kv_config, "kv_consumer"),
-            ],
+        self.decode = Deployment(
+            consumer_spec(spec, kv_config), log=log, log_dir=log_dir, budget=self.budget
         )
-        self.decode = Deployment(decode, log=log, log_dir=log_dir, budget=self.budget)
         self.prefills, self.router = pd_processes(spec, kv_config, self.budget)
         if log_dir is not None:
             for proc in [*self.prefills, self.router]:
@@ -427,14 +416,7 @@ def pd_ready_line(pd: PDDeployment) -> str:
 def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
     """Every process of ``spec`` as shell lines, in start order."""
     kv = spec.kv_config or default_kv_config(kv_dir)
-    decode = dataclasses.replace(
-        spec.decode,
-        attention_args=[
-            *spec.decode.attention_args,
-            KV_TRANSFER_FLAG,
-            side_config(kv, "kv_consumer"),
-        ],
-    )
+    decode = consumer_spec(spec, kv)
     budget = pd_budget(spec)
     prefills, router = pd_processes(spec, kv, budget)
     out = [f"# PD: {spec.prefill} prefill server(s), AFD decode, router on {spec.port}"]
