@@ -824,18 +824,19 @@ def afd_vs_plain(
 
 
 def settled_metrics(url: str, timeout: float = 15.0) -> dict:
-    """AFD counters of a server once two reads a publish interval (0.5 s)
-    apart agree; fails the test when they still move after ``timeout`` s."""
+    """AFD counters of a server once three reads over two publish intervals
+    (0.5 s each) agree; fails the test when they still move after
+    ``timeout`` s. (Two reads one interval apart could both fall before a
+    publisher thread that a loaded machine ran late.)"""
     from vllm_afd.cli.client import afd_metrics
 
     deadline = time.monotonic() + timeout
-    last = afd_metrics(url)
+    reads = [afd_metrics(url)]
     while time.monotonic() < deadline:
         time.sleep(0.6)
-        current = afd_metrics(url)
-        if current == last:
-            return current
-        last = current
+        reads = [*reads[-2:], afd_metrics(url)]
+        if len(reads) == 3 and reads[0] == reads[1] == reads[2]:
+            return reads[-1]
     pytest.fail(f"the AFD counters of {url} still moved after {timeout:.0f}s")
 
 

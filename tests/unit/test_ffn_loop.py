@@ -201,3 +201,39 @@ def test_ffn_loop_without_graph_support_fails_a_capture_step() -> None:
     assert "cannot capture graphs" in str(loop.error)
     assert exits == [loop.error]
     attn.close()
+
+
+def test_metrics_read_the_ffn_counters_between_steps_only() -> None:
+    """A step served halfway (layer 0 of 3 exchanged) has moved the F2A byte
+    counter but not the token counter: the publisher reads nothing then, and
+    after the step both describe the same whole step."""
+    from vllm_afd.worker.metrics import endpoint_publisher
+
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    loop = FFNLoop(ffn, _compute, LAYERS)
+    loop.start()
+    publisher = endpoint_publisher("ffn", 0, ffn, loop, interval=0.05)
+    publisher.stop()  # its thread; snapshots are read by hand below
+    tokens = 3
+    try:
+        attn.send_plan(StepPlan(1, ExecMode.EAGER, (tokens,)))
+        attn.send_a2f(0, 0, torch.ones(tokens, HIDDEN))
+        attn.recv_f2a(0, 0)
+        assert ffn.stats.f2a_bytes > 0 and loop.stats.tokens == 0
+        assert publisher.snapshot() is None  # mid-step: no reading
+        for layer in LAYERS[1:]:
+            attn.send_a2f(layer, 0, torch.ones(tokens, HIDDEN))
+            attn.recv_f2a(layer, 0)
+        values = None
+        for _ in range(100):  # the loop counts the step just after the reply
+            values = publisher.snapshot()
+            if values is not None and values["tokens"] == tokens:
+                break
+        assert values is not None and values["tokens"] == tokens
+        per_token = len(LAYERS) * HIDDEN * 4
+        assert values["f2a_bytes"] == values["tokens"] * per_token
+    finally:
+        attn.close()
+        loop.stop()
+        ffn.close()

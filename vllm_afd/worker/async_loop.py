@@ -60,13 +60,14 @@ class AsyncFFNLoop:
 
     def serve(self, item: WorkItem) -> None:
         """Compute one work item and reply."""
-        start = time.perf_counter()
-        out = self.compute(item.layer, A2FBatch(item.hidden, item.routing))
-        self.stats.compute_s += time.perf_counter() - start
-        self.endpoint.reply(item, out)
-        self.stats.steps += 1
-        self.stats.tokens += item.hidden.shape[0]
-        self.stats.last_batch_tokens = item.hidden.shape[0]
+        with self.stats.in_step:
+            start = time.perf_counter()
+            out = self.compute(item.layer, A2FBatch(item.hidden, item.routing))
+            self.stats.compute_s += time.perf_counter() - start
+            self.endpoint.reply(item, out)
+            self.stats.steps += 1
+            self.stats.tokens += item.hidden.shape[0]
+            self.stats.last_batch_tokens = item.hidden.shape[0]
 
     def run(self) -> None:
         error: BaseException | None = None

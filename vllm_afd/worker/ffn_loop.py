@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -85,7 +85,12 @@ class StepGraphs(Protocol):
 
 @dataclass
 class FFNLoopStats:
-    """Counters kept by the loop (read by metrics; plain numbers)."""
+    """Counters kept by the loop (read by metrics; plain numbers).
+
+    ``in_step`` is held while a step (a work item on ``async``) is being
+    served: the connector's byte counters move inside it and ``tokens`` at
+    its end, so a reader that holds it sees both at the same step boundary.
+    """
 
     steps: int = 0
     tokens: int = 0
@@ -94,6 +99,9 @@ class FFNLoopStats:
     graph_captures: int = 0
     graph_replays: int = 0
     ubatched_steps: int = 0
+    in_step: threading.Lock = field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
 
 
 class FFNLoop:
@@ -122,6 +130,10 @@ class FFNLoop:
 
     def run_step(self, plan: Any) -> None:
         """Serve one merged plan: eagerly, or by capturing or replaying a graph."""
+        with self.stats.in_step:
+            self._run_step(plan)
+
+    def _run_step(self, plan: Any) -> None:
         if self.on_step is not None:
             self.on_step(plan)
         compute_s = 0.0

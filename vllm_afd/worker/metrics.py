@@ -5,7 +5,10 @@ server before the engine starts (as vLLM itself does for several API
 servers), so counters written by a worker process appear on that server's
 ``/metrics``. A publisher thread copies the connector's and the FFN loop's
 plain counters into Prometheus every ``interval`` seconds: nothing is added
-to the per-layer hot path.
+to the per-layer hot path. On the FFN role it copies them between steps
+(``FFNLoopStats.in_step``), so ``afd_f2a_bytes`` and ``afd_ffn_tokens`` always
+describe the same steps; a tick that finds a step running longer than
+``interval`` publishes nothing and the next one catches up.
 
 Metric names (labels ``role``, ``rank``)::
 
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from vllm_afd.connector.payloads import ConnectorStats
+    from vllm_afd.worker.ffn_loop import FFNLoopStats
 
 METRICS = {
     "steps": ("afd_steps", "AFD forward steps exchanged"),
@@ -75,7 +79,7 @@ class MetricsPublisher:
         self,
         role: str,
         rank: int,
-        snapshot: Callable[[], dict[str, float]],
+        snapshot: Callable[[], dict[str, float] | None],
         interval: float = 0.5,
     ) -> None:
         self.labels = {"role": role, "rank": str(rank)}
@@ -94,6 +98,8 @@ class MetricsPublisher:
 
     def publish(self) -> None:
         current = self.snapshot()
+        if current is None:  # no consistent reading this tick
+            return
         for key, value in current.items():
             delta = value - self._last.get(key, 0)
             if delta > 0 and key in self.counters:
@@ -117,17 +123,36 @@ class StatsSource(Protocol):
     def stats(self) -> ConnectorStats: ...
 
 
+class CountingLoop(Protocol):
+    """What a publisher reads of an FFN loop (``worker.ffn_loop.FFNLoop``,
+    ``worker.async_loop.AsyncFFNLoop``)."""
+
+    stats: FFNLoopStats
+
+
 def endpoint_publisher(
     role: str,
     rank: int,
     connector: StatsSource,
-    loop: Any | None = None,
+    loop: CountingLoop | None = None,
     link: Any | None = None,
+    interval: float = 0.5,
 ) -> MetricsPublisher:
     """A started publisher for one endpoint's connector (anything with
     ``stats``: a connector, an FFN link), FFN loop and FFN link."""
 
-    def snapshot() -> dict[str, float]:
+    def snapshot() -> dict[str, float] | None:
+        if loop is None:
+            return read()
+        # between two steps, or not at all this tick
+        if not loop.stats.in_step.acquire(timeout=interval):
+            return None
+        try:
+            return read()
+        finally:
+            loop.stats.in_step.release()
+
+    def read() -> dict[str, float]:
         stats = connector.stats
         values = {
             "steps": stats.steps,
@@ -146,4 +171,4 @@ def endpoint_publisher(
             values["rejoins"] = link.state.rejoins
         return values
 
-    return MetricsPublisher(role, rank, snapshot).start()
+    return MetricsPublisher(role, rank, snapshot, interval).start()
