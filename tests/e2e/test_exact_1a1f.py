@@ -1,10 +1,11 @@
 """AFD 1A1F over p2p is token-for-token identical to plain vLLM.
 
 For tiny DeepSeek-V2 and DeepSeek-V3 models: fp32 compiled (vLLM's CPU default;
-V2), bf16 eager (V3), and bf16 compiled (V3), where each MoE layer ships its
-shared and routed outputs apart and the attention role adds them
-(docs/architecture.md "Exactness"; the V3 model's routed scaling factor 2.5 is
-applied there too): 16 concurrent prompts of 1-200 tokens, 32-64 greedy new
+V2) and bf16 eager (V3). bf16 compiled V3, where each MoE layer ships its shared
+and routed outputs apart and the attention role adds them (docs/architecture.md
+"Exactness"; the V3 model's routed scaling factor 2.5 is applied there too),
+runs with the gate on attention in test_gate_on_attention.py: the two-part F2A
+is the FFN role's either way. 16 concurrent prompts of 1-200 tokens, 32-64 greedy new
 tokens, half of them streamed; top-5 logprobs compared. Each case runs one AFD
 deployment and one plain server and does all its checks in those lifetimes,
 including the role split of the weights (gate on the FFN role: the attention
@@ -18,7 +19,6 @@ import json
 
 import pytest
 from harness import (
-    COMPILED_BF16_V3,
     assert_same_outputs,
     http_error,
     make_spec,
@@ -36,14 +36,13 @@ pytestmark = pytest.mark.e2e
 
 CASES = [
     # (arch, dtype, extra vLLM args, start attention first)
-    # Each family compiled, each dtype compiled: fp32 compiled on V2, bf16
-    # compiled (two-part F2A, routed scaling 2.5) on V3; bf16 eager on V3 (V2
-    # runs eager in fp32 with tensor parallelism 2 in test_scale_out.py).
-    # Servers are slow on two cores, so the other pairings are left out; the
-    # two start orders are split between the cases.
+    # fp32 compiled on V2, bf16 eager on V3 (bf16 compiled V3: gate on
+    # attention in test_gate_on_attention.py; V2 eager fp32 with tensor
+    # parallelism 2 in test_scale_out.py). Servers are slow on two cores, so
+    # the other pairings are left out; the two start orders are split between
+    # the cases.
     ("deepseek_v2", "float32", [], True),
     ("deepseek_v3", "bfloat16", ["--enforce-eager"], False),
-    pytest.param("deepseek_v3", "bfloat16", [], True, marks=COMPILED_BF16_V3),
 ]
 
 #: fp32 logprobs must agree to float rounding; bf16 to its own resolution
