@@ -4,8 +4,7 @@ A plain prefill server computes each prompt's KV cache (vLLM's
 ``ExampleConnector``, through files), the AFD decode deployment's attention
 role loads it and decodes, vLLM's router sends each request to both in turn.
 Through the router, greedy ids and top-5 logprobs equal plain vLLM's on the
-same model and settings, with a 2A1F decode deployment (two attention ranks
-behind one API: the router's request lands on either), and the decode attention role
+same model and settings, at 1A1F and 2A1F, and the decode attention role
 counts prompt tokens loaded from the connector (so the KV cache did come from
 prefill). The requests go one after another: with vLLM's ExampleConnector on
 CPU, requests that overlap on the decode side sometimes come out otherwise,
@@ -98,8 +97,10 @@ def _loaded_tokens(url: str) -> float:
     )
 
 
-def test_pd_with_afd_decode_equals_plain_vllm(family_models, tmp_path):
-    pd_spec = _pd_spec(family_models["qwen3_moe"], 2, 1)
+@pytest.mark.parametrize("topology", ["1A1F", "2A1F"])
+def test_pd_with_afd_decode_equals_plain_vllm(family_models, tmp_path, topology):
+    attention, ffn = int(topology[0]), int(topology[2])
+    pd_spec = _pd_spec(family_models["qwen3_moe"], attention, ffn)
     texts = prompts()
     prestart_plain(pd_spec.decode, texts)
     log = LogSink()
@@ -112,8 +113,9 @@ def test_pd_with_afd_decode_equals_plain_vllm(family_models, tmp_path):
         loaded = _loaded_tokens(decode_url)
         assert loaded > 0, "the decode attention role loaded no KV from prefill"
         assert_same_outputs(out, plain_outputs(pd_spec.decode, texts), ATOL)
-        print(f"PD 2A1F: {loaded:.0f} prompt tokens' KV from prefill")
-        _prefill_killed(pd, texts, model)
+        print(f"PD {topology}: {loaded:.0f} prompt tokens' KV from prefill")
+        if topology == "2A1F":
+            _prefill_killed(pd, texts, model)
     except BaseException:
         print_log_tail(log)
         raise
