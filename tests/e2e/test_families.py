@@ -25,6 +25,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from harness import (
@@ -58,19 +59,32 @@ LAYOUTS = {
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
     "gpt_oss": ([0, 1, 2], []),  # router with bias, expert biases, sinks
+    "llama4": ([1], [0, 2]),  # every 2nd layer MoE; weight scales the input
+    # Granite-MoE and a shared MLP beside the MoE block at every layer: vLLM
+    # builds it as the layer's own dense MLP (on attention with the gate)
+    "granitemoeshared": ([0, 1, 2], [0, 1, 2]),
+    "qwen3_next": ([1, 2], [0]),  # linear attention mixed in; gated shared
 }
 
 #: each family's routed experts (``vllm-afd tiny-model``)
 EXPERTS = {
     "qwen3_moe": 8, "qwen2_moe": 8, "mixtral": 8, "glm4_moe": 16,
     "deepseek_v2": 8, "deepseek_v3": 16, "glm4_moe_lite": 16, "olmoe": 8,
-    "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8,
+    "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8, "llama4": 8,
+    "granitemoeshared": 8, "qwen3_next": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-    "ernie4_5_moe",
+    "ernie4_5_moe", "llama4", "qwen3_next",
 )  # fmt: skip
+#: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
+#: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
+#: BF16" (plain vLLM too)
+DTYPES = {"qwen3_next": "bfloat16"}
+#: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
+BF16_ATOL = 1e-2
+
 #: families whose routed experts carry biases: the async connector refuses
 #: to split them over FFN ranks (``FFNLayers.keep_experts``)
 EXPERT_BIASES = ("gpt_oss",)
@@ -98,6 +112,9 @@ CASES = [
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),
     ("gpt_oss", 2, 1, True, "p2p"),
+    ("llama4", 1, 1, True, "p2p"),
+    ("granitemoeshared", 1, 1, True, "p2p"),
+    ("qwen3_next", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
 ]
@@ -166,7 +183,8 @@ def test_family_exact_and_role_split(
         f"{'attention' if gate_on_attention else 'ffn'}: {same}/{len(texts)} "
         f"identical; bytes {held}"
     )
-    assert_same_outputs(run.afd, run.plain, atol=_atol(ranks, ffn_ranks))
+    atol = BF16_ATOL if family in DTYPES else _atol(ranks, ffn_ranks)
+    assert_same_outputs(run.afd, run.plain, atol=atol)
 
     assert set(lines) == {"attention", "ffn"}, run.log[-3000:]
     (att_split, att), (ffn_split, ffn) = lines["attention"], lines["ffn"]
@@ -192,9 +210,10 @@ def test_family_exact_and_role_split(
 
 
 def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector: str):
+    dtype = DTYPES.get(Path(model).name, "float32")
     return make_spec(
         model,
-        ["--dtype", "float32", "--enforce-eager"],
+        ["--dtype", dtype, "--enforce-eager"],
         attention_ranks=ranks,
         ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,

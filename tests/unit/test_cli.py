@@ -353,3 +353,14 @@ def test_role_processes_carry_the_launcher_pid(monkeypatch) -> None:
 
     for proc in role_processes(DeploymentSpec(model="m", cpu_workaround=False)):
         assert proc.env["AFD_LAUNCHER_PID"] == str(os.getpid())
+
+
+def test_the_demo_serves_each_family_in_a_dtype_plain_vllm_serves_on_cpu() -> None:
+    from vllm_afd.cli.demo import demo_vllm_args
+
+    def dtype(arch: str) -> str:
+        args = demo_vllm_args(arch)
+        return args[args.index("--dtype") + 1]
+
+    assert dtype("deepseek_v2") == "float32"
+    assert dtype("qwen3_next") == "bfloat16"  # CPU GDN attention requires BF16

@@ -44,6 +44,16 @@ DEMO_VLLM_ARGS = [
 ]
 
 
+def demo_vllm_args(arch: str) -> list[str]:
+    """:data:`DEMO_VLLM_ARGS`, in the dtype plain vLLM serves ``arch`` in on
+    CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next)."""
+    from vllm_afd.models.tiny_hf import CPU_DTYPES
+
+    args = list(DEMO_VLLM_ARGS)
+    args[args.index("--dtype") + 1] = CPU_DTYPES.get(arch, "float32")
+    return args
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
     from vllm_afd.models.tiny_hf import GPU_ONLY_ARCHS
@@ -89,7 +99,7 @@ def run_demo(args: argparse.Namespace) -> int:
         model=str(model_dir),
         port=args.port,
         afd_port=args.afd_port,
-        vllm_args=list(DEMO_VLLM_ARGS),
+        vllm_args=demo_vllm_args(args.arch),
     )
     print("starting AFD 1A1F (attention + FFN) ...", flush=True)
     with Deployment(spec, log=log, log_dir=log_dir) as afd:

@@ -93,9 +93,30 @@ def any_width_moe_config(native: Any) -> Any:
     return build
 
 
-#: vLLM's generic layers the FFN role does not build, where a family module
-#: imports them
-FFN_ABSENT_LAYERS = ("RMSNorm", "VocabParallelEmbedding", "ParallelLMHead")
+#: vLLM's generic layers the FFN role does not build, (module, class), under
+#: whatever name a family module imports them (Qwen3-Next: ``GemmaRMSNorm as
+#: Qwen3NextRMSNorm``)
+FFN_ABSENT_LAYERS = (
+    ("vllm.model_executor.layers.layernorm", "RMSNorm"),
+    ("vllm.model_executor.layers.layernorm", "GemmaRMSNorm"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+)
+
+
+def ffn_absent_names(module: Any) -> list[str]:
+    """The names under which ``module`` holds a class of
+    :data:`FFN_ABSENT_LAYERS`."""
+    absent = {
+        getattr(importlib.import_module(path), name) for path, name in FFN_ABSENT_LAYERS
+    }
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type) and value in absent
+    )
+
+
 GATE_CLASS = "GateLinear"
 
 
@@ -152,10 +173,16 @@ def patches_for(
         out.append((ROUTED_EXPERTS, AbsentRoutedExperts))
         out.append((MOE_CONFIG, any_width_moe_config(check_patch(MOE_CONFIG))))
     else:
-        for name in (*family.attention, *FFN_ABSENT_LAYERS):
+        for name in family.attention:
             if _has(module, name):
                 why = f"FFN role: no {name} (the attention role's)"
                 out.append((family_patch(family.module_path, name, why), Absent))
+        # the generic layers in every module that builds part of the model
+        # (Llama 4's embedding, final norm and lm_head are built in llama.py)
+        for path, _ in family.builders:
+            for name in ffn_absent_names(importlib.import_module(path)):
+                why = f"FFN role: no {name} (the attention role's)"
+                out.append((family_patch(path, name, why), Absent))
     gate_here = afd.is_ffn != afd.compute_gate_on_attention
     for path, dense_mlp in family.builders:
         builder = importlib.import_module(path)

@@ -14,8 +14,10 @@ form the split can read:
 * ``gate``: the attribute of the MoE block that holds the router gate.
 * ``gate_parts``: other attributes of the MoE block, as checkpoints name
   them, that belong to the router (loaded where the gate runs).
-* ``moe_modules``: other vLLM modules the family's MoE block is built in (a
-  family reusing another's block), each with its dense-MLP class there.
+* ``moe_modules``: other vLLM modules that build part of the family's model
+  (a family reusing another's MoE block, or another family's model class),
+  each with its dense-MLP class there; the FFN role builds no embedding,
+  norm or lm_head of theirs either.
 
 Records are keyed by the Hugging Face architecture name. An architecture with
 no record is refused at start-up with the list of the supported ones.
@@ -48,7 +50,7 @@ class Family:
         gate_parts: checkpoint names of router parts beside the gate in
             the MoE block (ERNIE-4.5's ``moe_statics``: its score bias).
         moe_modules: (module, dense-MLP class or None) of each other vLLM
-            module whose classes build this family's MoE blocks.
+            module whose classes build part of this family's model.
     """
 
     name: str
@@ -153,6 +155,36 @@ FAMILIES: tuple[Family, ...] = (
         dense_mlp=None,
         attention=("TransformerBlock.attention_cls",),
         gate="router",
+    ),
+    Family(
+        # Llama 4: router outside the runner, the routing weight applied to
+        # the expert input, a shared expert; dense layers use Llama's MLP
+        name="llama4",
+        module="llama4",
+        archs=("Llama4ForCausalLM",),
+        dense_mlp="LlamaMLP",
+        attention=("Llama4Attention",),
+        gate="router",
+        # the model, its embedding, final norm and lm_head come from Llama's
+        moe_modules=(("llama", None),),
+    ),
+    Family(
+        # Granite-MoE's block with a shared MLP beside it in each layer
+        name="granitemoeshared",
+        module="granitemoeshared",
+        archs=("GraniteMoeSharedForCausalLM",),
+        dense_mlp="GraniteMoeSharedMLP",
+        attention=("GraniteMoeAttention",),
+        moe_modules=(("granitemoe", None),),
+    ),
+    Family(
+        # hybrid: gated delta-net linear attention (its state on attention)
+        # and full attention; a shared expert with a sigmoid gate
+        name="qwen3_next",
+        module="qwen3_next",
+        archs=("Qwen3NextForCausalLM",),
+        dense_mlp="Qwen3NextMLP",
+        attention=("Qwen3NextAttention", "QwenGatedDeltaNetAttention"),
     ),
 )
 

@@ -145,15 +145,68 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             attention_bias=True,
         ),
     ),
+    # Llama 4: the router weight scales the expert input, sigmoid top-1, a
+    # shared expert, MoE and dense layers interleaved, layers without RoPE.
+    "llama4": (
+        "Llama4TextConfig",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            head_dim=32,
+            interleave_moe_layer_step=2,
+            no_rope_layers=None,
+            no_rope_layer_interval=2,
+            attention_chunk_size=None,
+            use_qk_norm=True,
+        ),
+    ),
+    # Granite-MoE with a shared MLP beside the MoE block at every layer.
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=64,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+    ),
+    # Qwen3-Next: gated delta-net linear attention and full attention mixed
+    # (state on the attention side), a shared expert with a sigmoid gate.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            shared_expert_intermediate_size=64,
+            head_dim=32,
+            linear_conv_kernel_dim=4,
+            # vLLM's CPU kernel of the gated delta rule takes head dim 128
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+        ),
+    ),
 }
 
 #: families whose ``intermediate_size`` is the width of an expert (no dense
 #: layers): it is the tiny models' expert width
-_EXPERT_WIDE = ("mixtral", "olmoe", "granitemoe", "minimax_m2", "gpt_oss")
+_EXPERT_WIDE = (
+    "mixtral", "olmoe", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss",
+)  # fmt: skip
 
 HF_ARCHS = tuple(_FAMILIES)
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2",)
+#: families plain vLLM serves on CPU in another dtype than fp32 only: its CPU
+#: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN
+#: attention requires BF16"
+CPU_DTYPES = {"qwen3_next": "bfloat16"}
 
 
 def hf_config(
@@ -189,8 +242,17 @@ def hf_config(
         **special_ids,
     )
     kwargs.update(moe)
-    if arch in ("qwen3_moe", "qwen2_moe"):
+    if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         kwargs["mlp_only_layers"] = [0]
+    if arch == "qwen3_next":
+        kwargs["layer_types"] = [
+            "linear_attention" if i % 2 == 0 else "full_attention"
+            for i in range(num_layers)
+        ]
+    if arch == "llama4":
+        # expert width intermediate_size, dense width intermediate_size_mlp
+        kwargs["intermediate_size_mlp"] = kwargs["intermediate_size"]
+        kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
     if arch in _EXPERT_WIDE:
         kwargs.pop("moe_intermediate_size")
         kwargs["intermediate_size"] = hidden_size // 2
