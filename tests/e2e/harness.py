@@ -119,6 +119,20 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def free_run(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """The first of ``n`` consecutive free ports, none of them in ``avoid``."""
+    while True:
+        first = free_port()
+        run = set(range(first, first + n))
+        if not run & avoid and all(_bindable(p) for p in run):
+            return first
+
+
+def bindable(port: int) -> bool:
+    """Nothing listens on ``port`` of 127.0.0.1 now."""
+    return _bindable(port)
+
+
 @dataclass(frozen=True)
 class Completion:
     token_ids: tuple[int, ...]

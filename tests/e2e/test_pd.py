@@ -4,7 +4,10 @@ A plain prefill server computes each prompt's KV cache (vLLM's
 ``ExampleConnector``, through files), the AFD decode deployment's attention
 role loads it and decodes, vLLM's router sends each request to both in turn.
 Through the router, greedy ids and top-5 logprobs equal plain vLLM's on the
-same model and settings, at 1A1F and 2A1F, and the decode attention role
+same model and settings, at 1A1F and 2A1F behind a plain prefill server and
+at 1A1F behind an AFD 1A2F prefill deployment on the ``async`` connector
+(``--prefill 1A2F:async``: its attention role computes the KV cache, the
+experts split over its two FFN ranks), and the decode attention role
 counts prompt tokens loaded from the connector (so the KV cache did come from
 prefill). The requests go one after another: with vLLM's ExampleConnector on
 CPU, requests that overlap on the decode side sometimes come out otherwise,
@@ -28,9 +31,10 @@ from harness import (
     LogSink,
     Supervisor,
     assert_same_outputs,
+    bindable,
     complete,
-    free_port_pair,
     free_ports,
+    free_run,
     http_error,
     make_spec,
     plain_outputs,
@@ -42,7 +46,13 @@ from harness import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_afd.deploy.pd import PDDeployment, PDSpec
+from vllm_afd.deploy.pd import (
+    PREFILL_AFD_PORT_OFFSET,
+    AFDPrefill,
+    PDDeployment,
+    PDSpec,
+    parse_prefill,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
@@ -59,17 +69,26 @@ PREFILL_BACK_S = 240.0
 AGAIN = (0, 6, 9, 11, 14)
 
 
-def _pd_spec(model, attention: int, ffn: int) -> PDSpec:
-    spec = make_spec(model, ARGS, attention_ranks=attention, ffn_ranks=ffn)
-    taken = {spec.port, spec.ffn_port, spec.afd_port, spec.afd_port + 1}
+def _pd_spec(model, attention: int, ffn: int, prefill: str = "1") -> PDSpec:
+    side = parse_prefill(prefill)
+    afd_prefill = isinstance(side, AFDPrefill)
+    while True:
+        spec = make_spec(model, ARGS, attention_ranks=attention, ffn_ranks=ffn)
+        connector = {spec.afd_port, spec.afd_port + 1}
+        if afd_prefill:  # the prefill deployment's connector ports
+            first = spec.afd_port + PREFILL_AFD_PORT_OFFSET
+            connector |= {first, first + 1}
+        if all(bindable(p) for p in connector - {spec.afd_port, spec.afd_port + 1}):
+            break
+    taken = {spec.port, spec.ffn_port, *connector}
     router = next(p for p in free_ports(4) if p not in taken)
-    # prefill server's port and the next, the router's metrics
-    prefill = next(
-        p for p in iter(free_port_pair, None) if not {p, p + 1} & {*taken, router}
-    )
+    # the prefill side's API ports, then the router's metrics
+    ports = 1 + (side.ffn_ranks if isinstance(side, AFDPrefill) else 0) + 1
+    prefill_port = free_run(ports, avoid={*taken, router})
     return PDSpec.make(
-        spec, prefill=1, port=router, decode_port=spec.port, prefill_port=prefill
-    )
+        spec, prefill=side, port=router, decode_port=spec.port,
+        prefill_port=prefill_port,
+    )  # fmt: skip
 
 
 def one_by_one(
@@ -97,10 +116,16 @@ def _loaded_tokens(url: str) -> float:
     )
 
 
-@pytest.mark.parametrize("topology", ["1A1F", "2A1F"])
-def test_pd_with_afd_decode_equals_plain_vllm(family_models, tmp_path, topology):
+@pytest.mark.parametrize(
+    ("prefill", "topology"),
+    [("1", "1A1F"), ("1", "2A1F"), ("1A2F:async", "1A1F")],
+    ids=["1P-1A1F", "1P-2A1F", "1A2F_async-1A1F"],
+)
+def test_pd_with_afd_decode_equals_plain_vllm(
+    family_models, tmp_path, prefill, topology
+):
     attention, ffn = int(topology[0]), int(topology[2])
-    pd_spec = _pd_spec(family_models["qwen3_moe"], attention, ffn)
+    pd_spec = _pd_spec(family_models["qwen3_moe"], attention, ffn, prefill)
     texts = prompts()
     prestart_plain(pd_spec.decode, texts)
     log = LogSink()
@@ -113,7 +138,7 @@ def test_pd_with_afd_decode_equals_plain_vllm(family_models, tmp_path, topology)
         loaded = _loaded_tokens(decode_url)
         assert loaded > 0, "the decode attention role loaded no KV from prefill"
         assert_same_outputs(out, plain_outputs(pd_spec.decode, texts), ATOL)
-        print(f"PD {topology}: {loaded:.0f} prompt tokens' KV from prefill")
+        print(f"PD {prefill}P-{topology}: {loaded:.0f} prompt tokens' KV from prefill")
         if topology == "2A1F":
             _prefill_killed(pd, texts, model)
     except BaseException:

@@ -37,20 +37,36 @@ def _across_hosts() -> list[list[str]]:
     return [argv for argv in _commands() if "--hosts" in argv]
 
 
+def _pd() -> list[list[str]]:
+    return [argv for argv in _commands() if "--prefill" in argv]
+
+
 def test_the_page_has_the_bare_host_slurm_kubernetes_and_pd_commands():
     assert len(_across_hosts()) == 3
-    assert len([argv for argv in _commands() if "--prefill" in argv]) == 1
+    # plain prefill servers, and an AFD prefill deployment
+    assert [argv[argv.index("--prefill") + 1] for argv in _pd()] == ["1", "1A2F:async"]
 
 
-def test_the_pd_command_of_the_page_is_valid(capsys):
-    [argv] = [argv for argv in _commands() if "--prefill" in argv]
+#: the roles each PD command of the page starts, in start order
+PD_ROLES = {
+    "1": ["prefill", "ffn", "attention", "router"],
+    "1A2F:async": [
+        "prefill-ffn0", "prefill-ffn1", "prefill-attention",
+        "ffn", "attention", "router",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv", _pd(), ids=lambda argv: argv[argv.index("--prefill") + 1]
+)
+def test_the_pd_commands_of_the_page_are_valid(argv, capsys):
     cut = argv.index("--")
     assert cli.main([*argv[:cut], "--dry-run", *argv[cut:]]) == 0
     out = capsys.readouterr().out
-    heads = [line for line in out.splitlines() if line.startswith("# ")]
-    assert [
-        h for h in heads if h in ("# prefill", "# ffn", "# attention", "# router")
-    ] == ["# prefill", "# ffn", "# attention", "# router"]
+    roles = PD_ROLES[argv[argv.index("--prefill") + 1]]
+    heads = [line[2:] for line in out.splitlines() if line.startswith("# ")]
+    assert [h for h in heads if h in roles] == roles
 
 
 @pytest.mark.parametrize("argv", _across_hosts(), ids=["bare", "slurm", "kubernetes"])

@@ -12,12 +12,17 @@ from vllm_afd.cli import main as cli
 from vllm_afd.deploy import DeploymentSpec, LaunchError, role_processes
 from vllm_afd.deploy.pd import (
     DEFAULT_KV_CONNECTOR,
+    PREFILL_AFD_PORT_OFFSET,
+    AFDPrefill,
+    PDDeployment,
     PDSpec,
     default_kv_config,
     kv_transfer_config,
+    parse_prefill,
     pd_budget,
     pd_dry_run,
     pd_processes,
+    prefill_deployment_spec,
     side_config,
 )
 from vllm_afd.deploy.spec import KV_TRANSFER_FLAG, vllm_arg, without_option
@@ -160,3 +165,100 @@ def test_launch_without_the_router_says_how_to_install_it(monkeypatch, capsys) -
     )
     assert cli.main(["launch", "m", "--prefill", "1", "--", "--dtype", "float32"]) == 2
     assert "pip install 'vllm-afd[pd]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("2", 2),
+        ("1A1F", AFDPrefill(1, 1)),
+        ("2a1f", AFDPrefill(2, 1)),
+        ("1A2F:async", AFDPrefill(1, 2, "async")),
+    ],
+)
+def test_prefill_is_a_count_or_an_afd_topology(text, parsed) -> None:
+    assert parse_prefill(text) == parsed
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("1A2F", "must be >= afd.num_ffn_ranks"),  # p2p: A >= F
+        ("0A1F:async", "at least one rank per role"),
+        ("1A1F:sync", "got '1A1F:sync'"),
+        ("AF", "got 'AF'"),
+        ("two", "got 'two'"),
+    ],
+)
+def test_bad_prefill_values_are_refused_saying_what_is_taken(text, match) -> None:
+    with pytest.raises(LaunchError, match=match):
+        parse_prefill(text)
+
+
+def test_an_afd_prefill_deployment_is_its_own_deployment_and_the_kv_producer(
+    tmp_path,
+) -> None:
+    decode = _spec(vllm_args=["--dtype", "float32", KV_TRANSFER_FLAG, json.dumps(KV)])
+    pd = PDSpec.make(decode, prefill=parse_prefill("1A2F:async"), port=9000)
+    assert pd.prefill_ports() == 3 and pd.first_prefill_port() == 9003
+    assert pd.metrics_port() == 9006
+    prefill = prefill_deployment_spec(pd, KV)
+    assert (prefill.attention_ranks, prefill.ffn_ranks) == (1, 2)
+    assert prefill.connector == "async" and prefill.gate_on_attention
+    assert (prefill.port, prefill.ffn_port) == (9003, 9004)
+    assert prefill.afd_port == decode.afd_port + PREFILL_AFD_PORT_OFFSET
+    ffn0, ffn1, attention = role_processes(prefill)
+    assert (ffn0.port, ffn1.port, attention.port) == (9004, 9005, 9003)
+    assert _kv_of(attention.argv)["kv_role"] == "kv_producer"
+    assert _kv_of(ffn0.argv) is None and _kv_of(ffn1.argv) is None
+    # no plain prefill servers; the router sends prefill to its attention API
+    prefills, router = pd_processes(pd, KV, pd_budget(pd))
+    assert prefills == []
+    argv = router.argv
+    assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:9003"
+    assert argv[argv.index("--prometheus-port") + 1] == "9006"
+    # its roles are shown apart from the decode deployment's
+    running = PDDeployment(pd, log=None, log_dir=tmp_path)
+    assert [p.label for p in running.processes] == [
+        "prefill-ffn0", "prefill-ffn1", "prefill-attention",
+        "ffn", "attention", "router",
+    ]  # fmt: skip
+    assert running.prefill_urls == ["http://127.0.0.1:9003"]
+    text = pd_dry_run(pd, tmp_path / "kv")
+    heads = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    assert (
+        heads[0]
+        == "PD: an AFD 1A2F:async prefill deployment, AFD decode, router on 9000"
+    )
+    roles = ("prefill-ffn0", "prefill-ffn1", "prefill-attention", "ffn", "attention")
+    assert [h for h in heads if h in roles] == list(roles)
+
+
+def test_on_cpu_an_afd_prefill_deployment_takes_kv_and_ffn_shares(monkeypatch) -> None:
+    import vllm_afd.deploy.commands as commands
+
+    monkeypatch.setattr(commands, "available_ram", lambda: 16 << 30)
+    monkeypatch.setattr(commands, "checkpoint_bytes", lambda model: 0)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    plain = pd_budget(PDSpec.make(_spec(cpu_workaround=True), prefill=1, port=9000))
+    afd = PDSpec.make(_spec(cpu_workaround=True), prefill=AFDPrefill(1, 1), port=9000)
+    budget = pd_budget(afd)
+    # one more worker (the prefill FFN rank) on the host: less per KV holder,
+    # (16 - 3 * 3) * 0.8 / 2 GiB against (16 - 4 * 3) * 0.8 / 2
+    gib = 1 << 30
+    assert abs(int(plain.attention_args[1]) - 2.8 * gib) < 1 << 20  # MiB rounding
+    assert abs(int(budget.attention_args[1]) - 1.6 * gib) < 1 << 20
+    attention = role_processes(prefill_deployment_spec(afd, KV), budget=budget)[-1]
+    size = vllm_arg(attention.argv, "--kv-cache-memory-bytes")
+    assert size == budget.attention_args[1]
+
+
+def test_launch_dry_run_with_an_afd_prefill_deployment(capsys) -> None:
+    argv = ["launch", "m", "--prefill", "2A1F", "--dry-run", "--", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# prefill-attention" in out and "# prefill-ffn" in out
+    assert '"kv_role": "kv_producer"' in out and '"kv_role": "kv_consumer"' in out
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "m", "--prefill", "1A3F", "--dry-run"])
+    assert "must be >= afd.num_ffn_ranks" in capsys.readouterr().err

@@ -30,9 +30,11 @@ from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, dry_run, placement, ready_line
 from vllm_afd.deploy.logs import ConsoleFilter, TextSink, new_log_dir
 from vllm_afd.deploy.pd import (
+    AFDPrefill,
     PDDeployment,
     PDSpec,
     check_router_installed,
+    parse_prefill,
     pd_dry_run,
     pd_ready_line,
 )
@@ -154,18 +156,21 @@ def add_pd_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "prefill/decode disaggregation",
         "With --prefill N the deployment is the decode side: N plain prefill "
-        "servers hand their KV cache to the attention role through vLLM's KV "
+        "servers (or, with --prefill xAyF[:async], one AFD prefill deployment) "
+        "hand their KV cache to the attention role through vLLM's KV "
         "connector (--kv-transfer-config among the vLLM arguments; default "
         "ExampleConnector through files in the log directory), and vLLM's "
         "router answers on --port (docs/deployment.md).",
     )
     g.add_argument(
         "--prefill",
-        type=_non_negative_int,
+        type=_prefill,
         default=0,
-        metavar="N",
+        metavar="N|xAyF[:async]",
         help="plain vLLM prefill servers in front of the AFD decode deployment "
-        "(0: none, the attention role answers on --port)",
+        "(0: none, the attention role answers on --port), or one AFD prefill "
+        "deployment of x attention and y FFN ranks (':async': the async "
+        "connector, experts split over the FFN ranks)",
     )
     g.add_argument(
         "--decode-port",
@@ -179,25 +184,29 @@ def add_pd_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="with --prefill: API port of prefill server 0, server k on "
-        "--prefill-port + k (default: after the FFN ports)",
+        "--prefill-port + k; of an AFD prefill deployment's attention role, its "
+        "FFN ranks after it (default: after the FFN ports)",
     )
     g.add_argument(
         "--prefill-args",
         type=shlex.split,
         default=[],
-        help="extra vllm serve arguments for the prefill servers only",
+        help="extra vllm serve arguments for the prefill servers only (every "
+        "role of an AFD prefill deployment)",
     )
     g.add_argument(
         "--prefill-devices",
         metavar="LIST",
-        help="CUDA_VISIBLE_DEVICES of the prefill servers",
+        help="CUDA_VISIBLE_DEVICES of the prefill servers (of each role of an "
+        "AFD prefill deployment, split evenly)",
     )
     g.add_argument(
         "--prefill-restarts",
         type=_non_negative_int,
         default=10,
-        help="restart a prefill server that exits, with a backoff of 1, 2, 4 "
-        "... 30 s, at most this many times in a row",
+        help="restart a prefill server that exits (an AFD prefill deployment "
+        "that ends, whole), with a backoff of 1, 2, 4 ... 30 s, at most this "
+        "many times in a row",
     )
 
 
@@ -376,6 +385,13 @@ def run_launch(args: argparse.Namespace) -> int:
     finally:
         deployment.stop()
     return 0
+
+
+def _prefill(value: str) -> int | AFDPrefill:
+    try:
+        return parse_prefill(value)
+    except LaunchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _pd_spec(spec: DeploymentSpec, args: argparse.Namespace) -> PDSpec:

@@ -49,13 +49,17 @@ def on_cpu(spec: DeploymentSpec) -> bool:
 
 
 def memory_budget(
-    spec: DeploymentSpec, node: int | None = None, extra_kv_workers: int = 0
+    spec: DeploymentSpec,
+    node: int | None = None,
+    extra_kv_workers: int = 0,
+    extra_ffn_workers: int = 0,
 ) -> MemoryBudget:
     """How the role processes of ``node`` share its memory
     (:mod:`vllm_afd.deploy.memory`): a CPU host's RAM, or a GPU that roles
     or attention ranks share. ``extra_kv_workers``: other KV-cache holders
     of this CPU host that take the attention workers' share (the prefill
-    servers of a PD deployment).
+    servers of a PD deployment); ``extra_ffn_workers``: other FFN workers
+    of this CPU host (an AFD prefill deployment's).
 
     Raises:
         MemoryBudgetError: they cannot share it; the message has the numbers.
@@ -69,6 +73,7 @@ def memory_budget(
         if not attention or sets_memory(att_args) or user_env_sets_cpu_kv():
             return MemoryBudget()
         ffn = len(place.ffn_ranks_on(node)) * tensor_parallel_size(ffn_args)
+        ffn += extra_ffn_workers
         return cpu_budget(
             attention_workers=attention * tensor_parallel_size(att_args)
             + extra_kv_workers,
@@ -218,12 +223,14 @@ def dry_run(
     spec: DeploymentSpec,
     only: int | None = None,
     budget: MemoryBudget | None = None,
+    group: str = "",
 ) -> str:
     """Every node's processes as shell lines (``only``: that node's): the
     variables a process gets beyond the launcher's environment, then its
     ``vllm-afd serve`` command. Interfaces of other hosts than this one show
     as ``<interface of ADDRESS>``. ``budget``: the memory shares (default
-    :func:`memory_budget` of each node)."""
+    :func:`memory_budget` of each node); ``group``: before each role's name
+    (``prefill-``)."""
     place = spec.placement()
     out = [f"# AFD {spec.attention_ranks}A{spec.ffn_ranks}F on {place.num_nodes} "]
     out[0] += "node" if place.num_nodes == 1 else "nodes"
@@ -239,6 +246,7 @@ def dry_run(
                 if k in proc.env and proc.env[k] != os.environ.get(k)
             ]
             argv = ["vllm-afd", *proc.argv[3:]]  # [python, -m, module, serve, ...]
-            out.append(f"# {proc.name}{' (headless)' if proc.headless else ''}")
+            headless = " (headless)" if proc.headless else ""
+            out.append(f"# {group}{proc.name}{headless}")
             out.append(" ".join([*shown, shlex.join(argv)]))
     return "\n".join(out)

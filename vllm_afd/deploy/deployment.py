@@ -43,7 +43,9 @@ class Deployment:
     :class:`~vllm_afd.deploy.logs.ConsoleFilter` shows a short console);
     ``log_dir`` (when given) also keeps each role's full log in
     ``log_dir/ROLE.log``, named in the error when a role exits. ``budget``:
-    the roles' memory shares (default :func:`memory_budget`).
+    the roles' memory shares (default :func:`memory_budget`). ``group``:
+    before each role's name where it is shown (``prefill-``: the roles of
+    an AFD prefill deployment, beside the decode deployment's).
     """
 
     def __init__(
@@ -52,15 +54,17 @@ class Deployment:
         log: TextSink | None = sys.stdout,
         log_dir: Path | None = None,
         budget: MemoryBudget | None = None,
+        group: str = "",
     ) -> None:
         self.spec = spec
         self.log = log
         self.log_dir = log_dir
         self.budget = memory_budget(spec) if budget is None else budget
         self.processes = role_processes(spec, budget=self.budget)
-        if log_dir is not None:
-            for proc in self.processes:
-                proc.log_file = log_dir / f"{proc.name}.log"
+        for proc in self.processes:
+            proc.group = group
+            if log_dir is not None:
+                proc.log_file = log_dir / f"{proc.label}.log"
         self.ready = False
 
     @property
@@ -99,11 +103,31 @@ class Deployment:
         Roles may start in either order: ``attention_first`` starts the
         attention role ``stagger_s`` seconds before the FFN role.
         """
+        self.launch(attention_first=attention_first, stagger_s=stagger_s)
+        self.wait_ready(ready_timeout)
+
+    def launch(self, *, attention_first: bool = False, stagger_s: float = 0.0) -> None:
+        """Start every role process; :meth:`wait_ready` waits for them."""
+        self.ready = False
         order = self.processes[::-1] if attention_first else self.processes
         for i, proc in enumerate(order):
             if i and stagger_s:
                 time.sleep(stagger_s)
             proc.start(self.log)
+
+    def healthy(self) -> bool:
+        """Every role process answers ``/health`` (raises LaunchError, every
+        role stopped, when one exited)."""
+        self.check_alive()
+        return all(p.healthy() for p in self.processes)
+
+    def wait_ready(self, ready_timeout: float = 600.0) -> None:
+        """Wait until every launched role process is healthy.
+
+        Raises:
+            LaunchError: one exited, or not all were healthy within
+                ``ready_timeout`` s (naming which); every role stopped.
+        """
         deadline = time.monotonic() + ready_timeout
         waiting = list(self.processes)
         self.ready = False
@@ -111,7 +135,7 @@ class Deployment:
             self.check_alive()
             waiting = [p for p in waiting if not p.healthy()]
             if waiting and time.monotonic() > deadline:
-                names = ", ".join(p.name for p in waiting)
+                names = ", ".join(p.label for p in waiting)
                 self.stop()
                 raise LaunchError(
                     f"timed out after {ready_timeout:.0f}s waiting for {names} to "
@@ -162,7 +186,7 @@ class Deployment:
             if proc.restart_at is not None:
                 if now >= proc.restart_at:
                     proc.restart_at = None
-                    self._say(f"starting {proc.name} again (restart {proc.restarts})")
+                    self._say(f"starting {proc.label} again (restart {proc.restarts})")
                     proc.start(self.log)
                 continue
             code = proc.exit_code()
@@ -192,7 +216,7 @@ class Deployment:
             delay = min(2.0 ** (proc.restarts - 1), MAX_BACKOFF_S)
             proc.restart_at = now + delay
             self._say(
-                f"{proc.name} exited with code {code}; restarting it in "
+                f"{proc.label} exited with code {code}; restarting it in "
                 f"{delay:.0f}s (restart {proc.restarts} of at most "
                 f"{self.spec.ffn_restarts} in a row)"
             )
@@ -209,7 +233,7 @@ class Deployment:
                 if (why := proc.stopped_for_good()) is not None:
                     self.stop()
                     raise DeploymentEnded(
-                        f"{proc.name} stopped by itself ({why}: the deployment "
+                        f"{proc.label} stopped by itself ({why}: the deployment "
                         "was stopped); every role of this node stops"
                     )
                 if (why := proc.peer_died()) is not None:
@@ -217,7 +241,7 @@ class Deployment:
                         return
                     self.stop()
                     raise LaunchError(
-                        f"{proc.name} stopped by itself: {why}; an attention rank "
+                        f"{proc.label} stopped by itself: {why}; an attention rank "
                         "cannot rejoin a running deployment, so every role of "
                         "this node stops"
                     )
@@ -242,7 +266,7 @@ class Deployment:
             return None
         else:
             why = f"did not become healthy within {self.spec.ready_timeout_s:.0f}s"
-        self._say(f"{proc.name} {why}; killing it")
+        self._say(f"{proc.label} {why}; killing it")
         if proc.proc is not None:
             signal_group(proc.proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,15 +1,23 @@
-"""AFD inside prefill/decode disaggregation: plain vLLM prefill servers hand
-their KV cache to an AFD decode deployment through one of vLLM's own KV
-connectors, with vLLM's router in front.
+"""AFD inside prefill/decode disaggregation: prefill servers (plain vLLM, or
+one AFD deployment) hand their KV cache to an AFD decode deployment through
+one of vLLM's own KV connectors, with vLLM's router in front.
 
 ::
 
     client -> router (vllm-router --vllm-pd-disaggregation, the one API port)
-                -> prefill server k   (plain vllm serve, kv_role kv_producer)
+                -> prefill server k   (plain vllm serve, kv_role kv_producer;
+                                       or an AFD deployment's attention role)
                      request with max_tokens=1: computes the prompt's KV cache
                 -> decode attention   (the AFD attention role, kv_role kv_consumer)
                      the same request: loads the prompt's KV, decodes
                      <-> FFN ranks    (no KV cache, never a KV connector)
+
+With ``--prefill xAyF`` (``xAyF:async``: the asynchronous connector, the
+experts split over the FFN ranks) the prefill side is one AFD deployment of
+its own (:func:`prefill_deployment_spec`): its attention role is the KV
+producer, its FFN ranks hold no KV cache; a deployment that ends (an
+attention role lost, or an FFN rank past its restarts) is started again whole
+with the same backoff as a plain prefill server.
 
 The KV connector is vLLM's ``--kv-transfer-config`` (given among the vLLM
 arguments); without one, vLLM's reference ``ExampleConnector`` through a
@@ -18,9 +26,9 @@ one file per prompt and layer, so it is for trying PD, not for production).
 A ``kv_role`` the user gives is kept; otherwise the prefill servers get
 ``kv_producer`` and the decode attention role ``kv_consumer``.
 
-Start order: prefill servers, then the decode deployment (FFN ranks, then
-attention), then the router; stop order: the router, the decode deployment
-(attention first), the prefill servers. A prefill server that exits is
+Start order: prefill servers (or deployment), then the decode deployment
+(FFN ranks, then attention), then the router; stop order: the router, the
+decode deployment (attention first), the prefill servers. A prefill server that exits is
 started again with a backoff; its requests in flight fail at the router
 (HTTP 5xx) and decode serves on.
 """
@@ -57,10 +65,52 @@ from vllm_afd.deploy.spec import (
     vllm_arg,
     without_option,
 )
+from vllm_afd.errors import AFDConfigError
+from vllm_afd.topology import Topology
 
 #: the KV connector of a PD deployment when none is given (vLLM's reference
 #: connector: KV through files; works on CPU)
 DEFAULT_KV_CONNECTOR = "ExampleConnector"
+
+
+@dataclass(frozen=True)
+class AFDPrefill:
+    """The prefill side as one AFD deployment (``--prefill xAyF[:async]``)."""
+
+    attention_ranks: int
+    ffn_ranks: int
+    connector: str = "p2p"
+
+    @property
+    def name(self) -> str:
+        tail = ":async" if self.connector == "async" else ""
+        return f"{self.attention_ranks}A{self.ffn_ranks}F{tail}"
+
+
+def parse_prefill(value: str) -> int | AFDPrefill:
+    """``--prefill``: a count of plain prefill servers (``2``), or one AFD
+    prefill deployment (``1A1F``, ``1A2F:async``).
+
+    Raises:
+        LaunchError: neither, or a topology the connector cannot run.
+    """
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    name, sep, connector = text.partition(":")
+    a, has_a, f = name.upper().removesuffix("F").partition("A")
+    bad_tail = bool(sep) and connector != "async"
+    if not has_a or not a.isdigit() or not f.isdigit() or bad_tail:
+        raise LaunchError(
+            f"--prefill takes a number of plain prefill servers (1) or an AFD "
+            f"prefill deployment (1A1F, or 1A2F:async), got {value!r}"
+        )
+    prefill = AFDPrefill(int(a), int(f), "async" if connector else "p2p")
+    try:  # the decode side's rules: at least one rank each, A >= F on p2p
+        Topology(prefill.attention_ranks, prefill.ffn_ranks, all_to_all=bool(sep))
+    except AFDConfigError as exc:
+        raise LaunchError(f"--prefill {value}: {exc}") from None
+    return prefill
 
 
 def kv_transfer_config(args: Sequence[str]) -> dict | None:
@@ -101,19 +151,26 @@ def side_config(config: dict, kv_role: str) -> str:
     return json.dumps({"kv_role": kv_role, **config})
 
 
+#: an AFD prefill deployment's connector port: the decode deployment's + this
+#: (the decode side uses its ``afd_port`` and the next two)
+PREFILL_AFD_PORT_OFFSET = 3
+
+
 @dataclass
 class PDSpec:
     """A PD deployment: ``prefill`` plain prefill servers (ports
-    ``prefill_port + k``), the AFD ``decode`` deployment, the router on
-    ``port``.
+    ``prefill_port + k``) or, with ``prefill_afd``, one AFD prefill deployment
+    (its attention API on ``prefill_port``, its FFN ranks after it), the AFD
+    ``decode`` deployment, the router on ``port``.
 
     ``kv_config`` is the KV connector both sides use (None: the default,
     :func:`default_kv_config` under the run's directory); ``prefill_args``
-    go to the prefill servers only.
+    go to the prefill servers only (every role of an AFD prefill deployment).
     """
 
     decode: DeploymentSpec
     prefill: int = 1
+    prefill_afd: AFDPrefill | None = None
     port: int = 8000
     prefill_port: int | None = None  # None: after the decode ports
     prefill_args: list[str] = field(default_factory=list)
@@ -126,7 +183,7 @@ class PDSpec:
         cls,
         decode: DeploymentSpec,
         *,
-        prefill: int,
+        prefill: int | AFDPrefill,
         port: int,
         decode_port: int | None = None,
         prefill_port: int | None = None,
@@ -137,14 +194,16 @@ class PDSpec:
         """The PD spec around ``decode`` (whose ``vllm_args`` may hold a
         ``--kv-transfer-config``: it moves to :attr:`kv_config`), the router
         on ``port``, the decode attention API on ``decode_port`` (default
-        ``port + 1``; its FFN ranks after it).
+        ``port + 1``; its FFN ranks after it). ``prefill``: how many plain
+        prefill servers, or one AFD prefill deployment.
 
         Raises:
             LaunchError: a bad prefill count, a deployment across hosts, a KV
                 connector given to the FFN ranks, or a bad
                 ``--kv-transfer-config``.
         """
-        if prefill < 1:
+        prefill_afd = prefill if isinstance(prefill, AFDPrefill) else None
+        if isinstance(prefill, int) and prefill < 1:
             raise LaunchError(f"--prefill {prefill}: give at least 1 prefill server")
         if decode.multi_host:
             raise LaunchError(
@@ -163,7 +222,8 @@ class PDSpec:
         )
         return cls(
             decode=decode,
-            prefill=prefill,
+            prefill=prefill if isinstance(prefill, int) else 1,
+            prefill_afd=prefill_afd,
             port=port,
             prefill_port=prefill_port,
             prefill_args=list(prefill_args),
@@ -176,16 +236,71 @@ class PDSpec:
         ffn_port = self.decode.ffn_port or self.decode.port + 1
         return self.prefill_port or ffn_port + self.decode.ffn_ranks
 
+    def prefill_ports(self) -> int:
+        """API ports the prefill side takes from :meth:`first_prefill_port`."""
+        if self.prefill_afd is None:
+            return self.prefill
+        return 1 + self.prefill_afd.ffn_ranks
+
     def metrics_port(self) -> int:
         """The router's Prometheus port: the one after the prefill servers'."""
-        return self.first_prefill_port() + self.prefill
+        return self.first_prefill_port() + self.prefill_ports()
+
+    @property
+    def prefill_name(self) -> str:
+        """``2P`` (plain prefill servers) or ``AFD 1A2F:async``."""
+        if self.prefill_afd is None:
+            return f"{self.prefill}P"
+        return f"AFD {self.prefill_afd.name} prefill"
 
 
 def pd_budget(spec: PDSpec) -> MemoryBudget:
     """The decode roles' memory shares (:func:`memory_budget`); on CPU the
-    prefill servers are KV holders beside the attention workers and share
-    their KV budget."""
-    return memory_budget(spec.decode, extra_kv_workers=spec.prefill)
+    prefill servers (an AFD prefill deployment's attention ranks) are KV
+    holders beside the attention workers and share their KV budget, and an
+    AFD prefill deployment's FFN ranks take FFN shares."""
+    afd = spec.prefill_afd
+    if afd is None:
+        return memory_budget(spec.decode, extra_kv_workers=spec.prefill)
+    return memory_budget(
+        spec.decode,
+        extra_kv_workers=afd.attention_ranks,
+        extra_ffn_workers=afd.ffn_ranks,
+    )
+
+
+def prefill_deployment_spec(spec: PDSpec, kv_config: dict) -> DeploymentSpec:
+    """The AFD prefill deployment of ``spec`` (``spec.prefill_afd``): the
+    decode deployment's model and vLLM arguments plus ``prefill_args``, its
+    own topology and connector (``async``: the gate on attention, which that
+    connector needs), its attention API on the first prefill port and its FFN
+    ranks after it, its connector on the decode side's ``afd_port`` +
+    :data:`PREFILL_AFD_PORT_OFFSET`, its attention role the KV producer."""
+    afd = spec.prefill_afd
+    assert afd is not None
+    decode = spec.decode
+    first = spec.first_prefill_port()
+    return dataclasses.replace(
+        decode,
+        attention_ranks=afd.attention_ranks,
+        ffn_ranks=afd.ffn_ranks,
+        connector=afd.connector,
+        gate_on_attention=decode.gate_on_attention or afd.connector == "async",
+        ubatches=1,
+        port=first,
+        ffn_port=first + 1,
+        afd_port=decode.afd_port + PREFILL_AFD_PORT_OFFSET,
+        dp_rpc_port=None,
+        vllm_args=[*decode.vllm_args, *spec.prefill_args],
+        attention_args=[
+            *decode.attention_args,
+            KV_TRANSFER_FLAG,
+            side_config(kv_config, "kv_producer"),
+        ],
+        attention_devices=spec.prefill_devices or decode.attention_devices,
+        ffn_devices=spec.prefill_devices or decode.ffn_devices,
+        ffn_restarts=decode.ffn_restarts,
+    )
 
 
 def consumer_spec(spec: PDSpec, kv_config: dict) -> DeploymentSpec:
@@ -203,7 +318,8 @@ def consumer_spec(spec: PDSpec, kv_config: dict) -> DeploymentSpec:
 def pd_processes(
     spec: PDSpec, kv_config: dict, budget: MemoryBudget
 ) -> tuple[list[RoleProcess], RoleProcess]:
-    """The prefill servers and the router of ``spec`` (not started)."""
+    """The plain prefill servers (none with an AFD prefill deployment) and
+    the router of ``spec`` (not started)."""
     decode = spec.decode
     common = list(decode.vllm_args)
     if wants_cpu_workaround(decode):
@@ -214,7 +330,12 @@ def pd_processes(
     # on CPU, the prefill servers' share of the host's KV budget
     mine = sets_memory(spec.prefill_args) or not on_cpu(decode)
     memory = [] if mine else list(budget.attention_args)
-    prefills = []
+    prefills: list[RoleProcess] = []
+    if spec.prefill_afd is not None:
+        urls = [f"http://{connect_host(host)}:{first}"]
+        return prefills, RoleProcess(
+            "router", router_argv(spec, urls, host), spec.port, child_env(None), host
+        )
     for k in range(spec.prefill):
         name = "prefill" if spec.prefill == 1 else f"prefill{k}"
         argv = serve_argv(
@@ -258,8 +379,9 @@ def check_router_installed() -> None:
 
 
 class PDDeployment:
-    """A running PD deployment: prefill servers, an AFD decode
-    :class:`~vllm_afd.deploy.deployment.Deployment`, the router."""
+    """A running PD deployment: prefill servers (or an AFD prefill
+    :class:`~vllm_afd.deploy.deployment.Deployment`), an AFD decode
+    deployment, the router."""
 
     def __init__(
         self,
@@ -284,6 +406,22 @@ class PDDeployment:
             consumer_spec(spec, kv_config), log=log, log_dir=log_dir, budget=self.budget
         )
         self.prefills, self.router = pd_processes(spec, kv_config, self.budget)
+        self.prefill_deployment: Deployment | None = None
+        if spec.prefill_afd is not None:
+            prefill = prefill_deployment_spec(spec, kv_config)
+            self.prefill_deployment = Deployment(
+                prefill,
+                log=log,
+                log_dir=log_dir,
+                # on a GPU its roles share its own devices
+                budget=self.budget if on_cpu(prefill) else None,
+                group="prefill-",
+            )
+        # an AFD prefill deployment that ended: when it starts again, and
+        # how many times in a row it has
+        self.prefill_restart_at: float | None = None
+        self.prefill_restarts = 0
+        self.prefill_started_at = 0.0
         if log_dir is not None:
             for proc in [*self.prefills, self.router]:
                 proc.log_file = log_dir / f"{proc.name}.log"
@@ -296,7 +434,16 @@ class PDDeployment:
     @property
     def processes(self) -> list[RoleProcess]:
         """Every process, in start order."""
-        return [*self.prefills, *self.decode.processes, self.router]
+        prefill = self.prefill_deployment
+        afd = [] if prefill is None else prefill.processes
+        return [*self.prefills, *afd, *self.decode.processes, self.router]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        """The API of each prefill server (of the AFD prefill deployment)."""
+        if self.prefill_deployment is not None:
+            return [self.prefill_deployment.api_url]
+        return [p.url for p in self.prefills]
 
     def start(self, ready_timeout: float = 600.0) -> None:
         """Start the prefill servers and the decode deployment together (the
@@ -310,8 +457,14 @@ class PDDeployment:
         deadline = time.monotonic() + ready_timeout
         for proc in self.prefills:
             proc.start(self.log)
+        prefill = self.prefill_deployment
         try:
+            if prefill is not None:
+                prefill.launch()
+                self.prefill_started_at = time.monotonic()
             self.decode.start(ready_timeout)
+            if prefill is not None:
+                prefill.wait_ready(max(deadline - time.monotonic(), 1.0))
             self._wait(self.prefills, deadline, ready_timeout)
             self.router.start(self.log)
             self._wait([self.router], deadline, ready_timeout)
@@ -355,6 +508,8 @@ class PDDeployment:
         if (code := self.router.exit_code()) is not None:
             self.stop()
             raise LaunchError(f"{self.router.exited(code)}; every process stops")
+        if self.prefill_deployment is not None:
+            self._supervise_prefill_deployment(self.prefill_deployment, now)
         for proc in self.prefills:
             if proc.restart_at is not None:
                 if now >= proc.restart_at:
@@ -380,14 +535,51 @@ class PDDeployment:
                 f"it in {delay:.0f}s (restart {proc.restarts})"
             )
 
+    def _supervise_prefill_deployment(self, prefill: Deployment, now: float) -> None:
+        """The AFD prefill deployment's own supervision (its FFN ranks
+        restart as in any deployment); when it ends, all of it starts again
+        after a backoff of 1, 2, 4 … 30 s, at most ``spec.prefill_restarts``
+        times in a row. Raises LaunchError (every process stopped) past that."""
+        if self.prefill_restart_at is not None:
+            if now >= self.prefill_restart_at:
+                self.prefill_restart_at = None
+                self._say(
+                    f"starting the AFD prefill deployment again "
+                    f"(restart {self.prefill_restarts})"
+                )
+                prefill.launch()
+                self.prefill_started_at = now
+            return
+        try:
+            prefill.supervise(now)
+        except LaunchError as exc:  # DeploymentEnded too: it ended, by itself
+            if now - self.prefill_started_at >= STABLE_S:
+                self.prefill_restarts = 0
+            if self.prefill_restarts >= self.spec.prefill_restarts:
+                self.stop()
+                raise LaunchError(
+                    f"the AFD prefill deployment ended ({exc}); it failed "
+                    f"{self.prefill_restarts} restarts in a row"
+                ) from None
+            self.prefill_restarts += 1
+            delay = min(2.0 ** (self.prefill_restarts - 1), MAX_BACKOFF_S)
+            self.prefill_restart_at = now + delay
+            self._say(
+                f"the AFD prefill deployment ended ({exc}); its requests in "
+                f"flight failed; starting it again in {delay:.0f}s "
+                f"(restart {self.prefill_restarts})"
+            )
+
     def _say(self, line: str) -> None:
         print(f"vllm-afd launch: {line}", file=sys.stderr, flush=True)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the router, then the decode deployment (attention first),
-        then the prefill servers."""
+        then the prefill servers (the AFD prefill deployment)."""
         self.router.stop(timeout)
         self.decode.stop(timeout)
+        if self.prefill_deployment is not None:
+            self.prefill_deployment.stop(timeout)
         for proc in self.prefills:
             proc.request_stop()
         deadline = time.monotonic() + timeout
@@ -407,7 +599,7 @@ def pd_ready_line(pd: PDDeployment) -> str:
     spec = pd.spec
     decode = spec.decode
     return (
-        f"PD {spec.prefill}P + AFD {decode.attention_ranks}A{decode.ffn_ranks}F "
+        f"PD {spec.prefill_name} + AFD {decode.attention_ranks}A{decode.ffn_ranks}F "
         f"ready: {pd.api_url}/v1 (router; KV connector "
         f"{pd.kv_config['kv_connector']})"
     )
@@ -419,10 +611,18 @@ def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
     decode = consumer_spec(spec, kv)
     budget = pd_budget(spec)
     prefills, router = pd_processes(spec, kv, budget)
-    out = [f"# PD: {spec.prefill} prefill server(s), AFD decode, router on {spec.port}"]
+    if spec.prefill_afd is None:
+        side = f"{spec.prefill} prefill server(s)"
+    else:
+        side = f"an AFD {spec.prefill_afd.name} prefill deployment"
+    out = [f"# PD: {side}, AFD decode, router on {spec.port}"]
     for proc in prefills:
         out.append(f"# {proc.name}")
         out.append(shlex.join(["vllm-afd", *proc.argv[3:]]))
+    if spec.prefill_afd is not None:
+        prefill = prefill_deployment_spec(spec, kv)
+        shares = budget if on_cpu(prefill) else None
+        out.append(dry_run(prefill, budget=shares, group="prefill-"))
     out.append(dry_run(decode, budget=budget))
     out.append("# router")
     out.append(shlex.join(["vllm-router", *router.argv[3:]]))

@@ -34,12 +34,15 @@ class DeploymentEnded(LaunchError):
 class RoleProcess:
     """One supervised ``vllm serve`` process."""
 
-    name: str
+    name: str  # attention, ffn, ffn1, ... (what supervision goes by)
     argv: list[str]
     port: int
     env: dict[str, str]
     host: str = "127.0.0.1"
     headless: bool = False  # vLLM --headless: no API server, nothing to probe
+    # before the name where the process is shown (log lines, log file,
+    # errors): "prefill-" for the roles of an AFD prefill deployment
+    group: str = ""
     proc: subprocess.Popen[bytes] | None = None
     _pump: threading.Thread | None = None
     # supervision (Deployment.supervise): when the process last started,
@@ -57,6 +60,11 @@ class RoleProcess:
     first_error: str | None = None
 
     @property
+    def label(self) -> str:
+        """The name this process is shown by: ``group`` + ``name``."""
+        return f"{self.group}{self.name}"
+
+    @property
     def is_ffn(self) -> bool:
         return self.name.startswith("ffn")
 
@@ -72,7 +80,7 @@ class RoleProcess:
         env = self.env
         if self.is_ffn:
             if self.stop_note is None:
-                fd, self.stop_note = tempfile.mkstemp(prefix=f"afd-{self.name}-")
+                fd, self.stop_note = tempfile.mkstemp(prefix=f"afd-{self.label}-")
                 os.close(fd)
             Path(self.stop_note).write_text("")
             env = {**env, envs.AFD_STOP_NOTE: self.stop_note}
@@ -89,7 +97,7 @@ class RoleProcess:
         self._pump.start()
 
     def _pump_lines(self, stream: IO[bytes], log: TextSink | None) -> None:
-        prefix = f"[{self.name}] "
+        prefix = f"[{self.label}] "
         file = None if self.log_file is None else self.log_file.open("a")
         try:
             for raw in iter(stream.readline, b""):
@@ -109,7 +117,7 @@ class RoleProcess:
     def exited(self, code: int | None) -> str:
         """``the NAME process exited with code N``, then the first exception
         line of its output (the cause) and where its full log is."""
-        text = f"the {self.name} process exited with code {code}"
+        text = f"the {self.label} process exited with code {code}"
         if self._pump is not None:
             self._pump.join(5.0)  # its last lines, the traceback among them
         if self.first_error is not None:
