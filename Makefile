@@ -13,7 +13,7 @@ test: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
 	.venv/bin/mypy vllm_afd
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60
 
 # A few minutes: lint, types, unit and connector tests (no vLLM servers).
 test-fast: setup
