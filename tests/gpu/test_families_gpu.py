@@ -1,0 +1,60 @@
+"""The families added last, exact on one GPU: AFD 1A1F with both roles on GPU 0
+(cuda_ipc under MPS), the gate on the attention role, FULL CUDA graphs for
+decode, token-for-token against plain vLLM on the same GPU (16 prompts, top-5
+logprobs within bf16's resolution). Llama 4 (the routing weight scales the
+expert input), Granite-MoE-Shared (a shared MLP beside the MoE block) and
+Qwen3-Next (gated delta-net linear attention, its state on the attention
+role; skipped where vLLM's CUDA kernels of it cannot load: flashinfer's
+gated delta-net prefill imports the CUTLASS DSL package, ``cutlass``); on CPU
+they are checked in tests/e2e/test_families.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from gpu_harness import FULL_DECODE_ONLY, ONE_GPU, ONE_GPU_ARGS, afd_and_plain, gpu_spec
+from harness import assert_same_outputs, prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+
+ATOL = 1e-2
+GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
+FAMILIES = ("llama4", "granitemoeshared", "qwen3_next")
+#: what a family needs beyond vLLM's own wheel on a GPU host
+NEEDS = {"qwen3_next": "cutlass"}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("families-gpu")
+    return {
+        arch: write_tiny_checkpoint(
+            root / arch, arch=arch, num_layers=4, dtype="bfloat16"
+        )
+        for arch in FAMILIES
+    }
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_family_1a1f_on_one_gpu_equals_plain_vllm(
+    family_models: dict[str, Path], tmp_path: Path, arch: str, mps: None
+) -> None:
+    module = NEEDS.get(arch)
+    if module is not None and importlib.util.find_spec(module) is None:
+        pytest.skip(
+            f"{arch}: vLLM's CUDA kernels of it need the {module!r} package "
+            "(flashinfer's gated delta-net prefill imports it)"
+        )
+    spec = gpu_spec(family_models[arch], GRAPHS, gate_on_attention=True, **ONE_GPU)
+    afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path)
+    same = sum(
+        a.token_ids == p.token_ids for a, p in zip(afd_out, plain_out, strict=True)
+    )
+    print(f"{arch}: {same}/16 identical")
+    assert_same_outputs(afd_out, plain_out, ATOL)
+    assert ffn[("afd_steps", "ffn", "0")] > 0
