@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 import time
 import traceback
 from typing import Any
@@ -247,6 +249,8 @@ PROGRAMS = {
 
 def main(name: str, role: str, sc: S.Scenario, q: Any) -> None:
     att, ffn = PROGRAMS[name]
+    # a program still running long past its timeout prints where it is
+    faulthandler.dump_traceback_later(sc.timeout_s + 30, repeat=True, file=sys.stderr)
     try:
         out = (att if role == "attention" else ffn)(sc)
     except BaseException:
