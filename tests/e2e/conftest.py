@@ -33,6 +33,16 @@ def server_pool():
     harness.PLAIN_RUNNER.close()
 
 
+@pytest.fixture(autouse=True)
+def _servers_of_this_test(server_pool):
+    """The pool protects from eviction only the servers the running test
+    asked for (``ServerPool.release``)."""
+    server_pool.release()
+    yield
+    server_pool.release()
+    server_pool.trim()
+
+
 @pytest.fixture
 def quiet_host():
     """No idle server of the pool beside this test: it times things, starts

@@ -436,6 +436,10 @@ class ServerPool:
         self._starting: dict[tuple, threading.Thread] = {}
         self._lock = threading.Lock()  # prestart threads add servers
         self.keep = 0
+        # the servers the running test asked for (its deployment, its plain
+        # baseline): making room never stops them, though a server a prestart
+        # thread adds later is more recent (``release`` between tests)
+        self._in_use: set[tuple] = set()
 
     @staticmethod
     def deployment_key(spec: DeploymentSpec) -> tuple:
@@ -463,6 +467,7 @@ class ServerPool:
         ``start_kw`` if none runs; one :meth:`prestart_deployment` began is
         waited for) and its role logs."""
         key = self.deployment_key(spec)
+        self._in_use.add(key)
         self._join(key)
         if key not in self._live:
             self._make_room()
@@ -545,6 +550,7 @@ class ServerPool:
         """The pool's running server of ``server``'s key (``server`` started
         if none runs; one :meth:`prestart` began is waited for)."""
         key = self.plain_key(server)
+        self._in_use.add(key)
         if self._join(key) and key not in self._live:
             raise LaunchError("plain vLLM failed to start (see the log above)")
         if key not in self._live:
@@ -565,20 +571,34 @@ class ServerPool:
             server.start(ready_timeout=ready_timeout)
             return server, None
 
+        self._in_use.add(self.plain_key(server))  # this test's baseline
         self._start_beside(self.plain_key(server), "plain vLLM", starter)
 
     def _make_room(self, free: int = 1) -> None:
+        """Stop the least recently used servers until ``free`` more fit
+        under :attr:`keep`; never the deployment in use."""
         while True:
             with self._lock:
-                if not self._live or len(self._live) <= self.keep - free:
+                if len(self._live) <= self.keep - free:
                     return
-                key = next(iter(self._live))
+                key = next((k for k in self._live if k not in self._in_use), None)
+                if key is None:
+                    return
             self._stop(key)
 
+    def release(self) -> None:
+        """The running test is done with its servers (they may be stopped
+        to make room from now on)."""
+        self._in_use.clear()
+
     def trim(self) -> None:
-        """Stop the least recently used servers beyond :attr:`keep`."""
+        """Stop the least recently used servers beyond :attr:`keep` (none
+        the running test asked for)."""
         while len(self._live) > self.keep:
-            self._stop(next(iter(self._live)))
+            key = next((k for k in self._live if k not in self._in_use), None)
+            if key is None:
+                return
+            self._stop(key)
 
     def _stop(self, key: tuple) -> None:
         with self._lock:

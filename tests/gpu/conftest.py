@@ -52,6 +52,17 @@ def _needs_cuda_vllm(request: pytest.FixtureRequest) -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def _servers_of_this_test() -> Iterator[None]:
+    """Every pool server a test asked for is stopped after it (the pool keeps
+    none idle here: the next server needs the GPU memory)."""
+    import harness
+
+    yield
+    harness.POOL.release()
+    harness.POOL.trim()
+
+
 @pytest.fixture(scope="session")
 def mps() -> Iterator[None]:
     """An MPS control daemon for this GPU host: both roles on one GPU need it
