@@ -91,7 +91,8 @@ def _ephemeral_low() -> int:
 _PORTS = random.Random()
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Nothing listens on ``port`` of 127.0.0.1 now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -110,7 +111,7 @@ def free_ports(n: int) -> list[int]:
     found: list[int] = []
     while len(found) < n:
         port = _PORTS.randrange(10000, _ephemeral_low() - 1)
-        if port not in found and _bindable(port):
+        if port not in found and bindable(port):
             found.append(port)
     return found
 
@@ -124,13 +125,8 @@ def free_run(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
     while True:
         first = free_port()
         run = set(range(first, first + n))
-        if not run & avoid and all(_bindable(p) for p in run):
+        if not run & avoid and all(bindable(p) for p in run):
             return first
-
-
-def bindable(port: int) -> bool:
-    """Nothing listens on ``port`` of 127.0.0.1 now."""
-    return _bindable(port)
 
 
 @dataclass(frozen=True)
@@ -742,7 +738,7 @@ def free_port_pair() -> int:
     store)."""
     while True:
         port = free_port()
-        if _bindable(port + 1):
+        if bindable(port + 1):
             return port
 
 

@@ -74,13 +74,14 @@ def _pd_spec(model, attention: int, ffn: int, prefill: str = "1") -> PDSpec:
     afd_prefill = isinstance(side, AFDPrefill)
     while True:
         spec = make_spec(model, ARGS, attention_ranks=attention, ffn_ranks=ffn)
-        connector = {spec.afd_port, spec.afd_port + 1}
+        prefill_connector: set[int] = set()
         if afd_prefill:  # the prefill deployment's connector ports
             first = spec.afd_port + PREFILL_AFD_PORT_OFFSET
-            connector |= {first, first + 1}
-        if all(bindable(p) for p in connector - {spec.afd_port, spec.afd_port + 1}):
+            prefill_connector = {first, first + 1}
+        if all(bindable(p) for p in prefill_connector):
             break
-    taken = {spec.port, spec.ffn_port, *connector}
+    taken = {spec.port, spec.ffn_port, spec.afd_port, spec.afd_port + 1}
+    taken |= prefill_connector
     router = next(p for p in free_ports(4) if p not in taken)
     # the prefill side's API ports, then the router's metrics
     ports = 1 + (side.ffn_ranks if isinstance(side, AFDPrefill) else 0) + 1
