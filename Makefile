@@ -3,6 +3,10 @@
 #   make test   the test suite (what CI runs)
 .PHONY: setup demo test test-fast lint bench-connector
 
+# pytest-xdist workers of `make test`, one test file at a time each (a 2-core
+# host: most of a vLLM server's start is single-threaded imports)
+TEST_WORKERS ?= 2
+
 setup:
 	@bash tools/setup.sh
 
@@ -13,7 +17,7 @@ test: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
 	.venv/bin/mypy vllm_afd
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60 -n $(TEST_WORKERS) --dist loadfile
 
 # A few minutes: lint, types, unit and connector tests (no vLLM servers).
 test-fast: setup

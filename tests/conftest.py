@@ -9,11 +9,20 @@ by module, beside the session's wall time, against the budget in
 docs/testing.md. (A server a pool starts on a thread is counted for the test
 that asked for it.) The end-to-end figures (``harness.Results``) are files
 there too.
+
+The suite runs in pytest-xdist workers (``make test``: two, one test file at
+a time each). A test marked ``alone`` asserts times (faults: seconds from the
+signal to the error), so it runs with no other worker's test beside it: every
+test holds the session's host lock shared, an ``alone`` test holds it
+exclusively (a turnstile first, so a waiting ``alone`` test is not starved).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -42,6 +51,54 @@ def _count_server_starts(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(envs.AFD_SERVER_STARTS, str(_STARTS / module))
         yield
+
+
+#: how long a test waits for its turn on the host before failing
+HOST_WAIT_S = 3600.0
+
+
+def _flock(f, mode: int, what: str) -> None:
+    """``flock`` ``f`` in ``mode``; fails after :data:`HOST_WAIT_S` naming
+    ``what`` it waited for."""
+    deadline = time.monotonic() + HOST_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"waited {HOST_WAIT_S:.0f}s for {what}")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _host_share(alone: bool):
+    """Hold the host shared, or alone (see the module doc)."""
+    with (
+        open(_SESSION / "host.turnstile", "a") as gate,
+        open(_SESSION / "host.lock", "a") as host,
+    ):
+        _flock(gate, fcntl.LOCK_EX, "the host turnstile (an alone test holds it)")
+        if alone:
+            _flock(host, fcntl.LOCK_EX, "the other workers' tests to end")
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            _flock(host, fcntl.LOCK_SH, "the host (an alone test holds it)")
+        try:
+            yield
+        finally:
+            if not alone and (harness := sys.modules.get("harness")) is not None:
+                # a deployment a test began starting for the next one starts
+                # now, not beside an alone test
+                harness.POOL.settle()
+            fcntl.flock(host, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _host_share(item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 #: the end-to-end figures (``harness.Results``) printed at the end

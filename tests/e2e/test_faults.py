@@ -62,7 +62,11 @@ from harness import (
 
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.alone,
+    pytest.mark.usefixtures("quiet_host"),
+]
 
 TIMEOUT_S = 4.0  # connector timeout_s: the bound on detecting a hung FFN
 HEARTBEAT_S = 0.5
@@ -203,6 +207,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
             hung = kill_ffn_mid_stream(
                 afd, name, TIMEOUT_S, sig=signal.SIGSTOP, heartbeat_s=HEARTBEAT_S
             )
+            figures["hung FFN: loss recorded"] = hung["loss recorded"]
             figures["hung FFN: stream error"] = hung["stream error"]
             figures["hung FFN: /health 503"] = hung["/health 503"]
             stopped = time.monotonic()

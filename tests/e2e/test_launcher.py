@@ -33,7 +33,11 @@ from harness import (
 from vllm_afd import lifeline
 from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.alone,
+    pytest.mark.usefixtures("quiet_host"),
+]
 
 READY_TIMEOUT_S = 420.0
 #: every process of a role is gone this long after its launcher was killed
