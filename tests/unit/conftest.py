@@ -30,3 +30,14 @@ def _gpu_tool(name: str):
 
 bench = _gpu_tool("bench_decode")
 rep = _gpu_tool("overlap_report")
+
+
+@pytest.fixture(autouse=True)
+def _a_24_gib_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's memory check sees the 24 GiB the docs' examples are
+    written for, not what the servers of an end-to-end test running beside
+    (another pytest-xdist worker) left free; a test that checks the budget
+    patches its own figure over this one."""
+    import vllm_afd.deploy.commands as commands
+
+    monkeypatch.setattr(commands, "available_ram", lambda: 22 << 30)
