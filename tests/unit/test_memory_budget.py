@@ -147,6 +147,8 @@ def test_roles_sharing_one_gpu_each_get_a_utilization(monkeypatch):
         (["0", "1"], {}, (None, None)),  # several: left to the user
         ([], {}, (None, None)),  # a CPU host
         (["0"], {"ffn_devices": "0"}, (None, "0")),  # a list given: kept
+        # every FFN rank on it (async: the FFN ranks split the experts)
+        (["0"], {"ffn_ranks": 2, "connector": "async"}, ("0", "0,0")),
     ],
 )
 def test_a_one_gpu_host_puts_both_roles_on_its_gpu(gpus, given, expected):
@@ -154,3 +156,7 @@ def test_a_one_gpu_host_puts_both_roles_on_its_gpu(gpus, given, expected):
     assert (spec.attention_devices, spec.ffn_devices) == expected
     if expected == ("0", "0"):
         assert spec.data_plane() == "cuda_ipc"
+    if spec.connector == "async":
+        assert spec.data_plane() == "tcp"  # host memory over TCP on any device
+        assert spec.role_devices() == ("0", ["0", "0"])
+        assert "backend" not in spec.afd_config("ffn")["connector_extra_config"]

@@ -216,7 +216,7 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
             "afd.num_ubatches (e.g. 2) to overlap attention with the FFN role"
         )
     if afd.is_async:
-        check_async_supported(afd, parallel)
+        check_async_supported(afd, parallel, config.compilation_config)
     if afd.num_ubatches > 1 and afd.is_attention:
         check_ubatches_supported(afd, parallel)
     if afd.attention_ranks_per_device > 1:
@@ -267,21 +267,33 @@ def check_graph_mode(compilation: Any, breakable: bool) -> None:
         )
 
 
-def check_async_supported(afd: AFDConfig, parallel: Any) -> None:
-    """What the ``async`` connector runs on today: CPU, one TP rank per rank
+def check_async_supported(afd: AFDConfig, parallel: Any, compilation: Any) -> None:
+    """What the ``async`` connector runs on today: CPU, or CUDA without CUDA
+    graphs (its frames travel over TCP from host memory: each role stages
+    its rows through it, which no graph can capture); one TP rank per rank
     (an FFN rank takes work items from any attention rank in arrival order,
     which its TP ranks would have to agree on first).
 
     Raises:
         AFDConfigError: naming the connector and the setting that clashes.
     """
+    from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if current_platform.is_cuda():
+        if compilation.cudagraph_mode != CUDAGraphMode.NONE:
+            raise AFDConfigError(
+                "afd.connector='async' on CUDA runs without CUDA graphs (its "
+                "work items travel over TCP from host memory, which a graph "
+                f"cannot capture; cudagraph_mode is "
+                f"{compilation.cudagraph_mode.name}): pass --enforce-eager, or "
+                '--compilation-config \'{"cudagraph_mode": "NONE"}\''
+            )
+    elif not current_platform.is_cpu():
         raise AFDConfigError(
-            f"afd.connector='async' moves CPU tensors over TCP; this platform "
-            f"is {current_platform.device_type}, where it is not supported yet. "
-            "Use the p2p connector (with compute_gate_on_attention=true)"
+            f"afd.connector='async' moves CPU or CUDA tensors over TCP; this "
+            f"platform is {current_platform.device_type}, where it is not "
+            "supported. Use the p2p connector (with compute_gate_on_attention=true)"
         )
     if parallel.tensor_parallel_size != 1:
         raise AFDConfigError(

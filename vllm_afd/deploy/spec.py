@@ -132,7 +132,11 @@ class DeploymentSpec:
         gpus = visible_gpus() if gpus is None else gpus
         if len(gpus) != 1:
             return self
-        return dataclasses.replace(self, attention_devices=gpus[0], ffn_devices=gpus[0])
+        return dataclasses.replace(
+            self,
+            attention_devices=gpus[0],
+            ffn_devices=",".join([gpus[0]] * self.ffn_ranks),  # one per FFN rank
+        )
 
     def role_devices(self) -> tuple[str | None, list[str | None]]:
         """``CUDA_VISIBLE_DEVICES`` of the attention server and of each FFN
@@ -204,7 +208,10 @@ class DeploymentSpec:
         """The p2p backend the CUDA roles will use: ``nccl`` or ``cuda_ipc``.
         ``auto`` is NCCL, except when the device lists give both roles a GPU
         on one host: then the launcher asks for cuda_ipc (NCCL cannot pair
-        two ranks on one GPU)."""
+        two ranks on one GPU). ``tcp`` for the async connector (its frames
+        leave from host memory on every device)."""
+        if self.connector == "async":
+            return "tcp"
         backend = (self.connector_extra_config or {}).get("backend", "auto")
         if backend == "auto":
             one_host = not self.multi_host

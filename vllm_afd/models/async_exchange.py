@@ -10,6 +10,10 @@ exchange answers it without step plans::
                                           experts of these rows, their replies
                                           added (``connector.async_ep``)
 
+On a GPU the rows and their routing are copied to host memory before the
+work items leave, and the combined output back (the frames travel over TCP;
+such a forward cannot be captured in a CUDA graph, which the config refuses).
+
 A forward that cannot finish its exchanges (an FFN rank exited, shut down,
 or did not answer in ``timeout_s``) raises: the engine stops, its in-flight
 requests fail and ``vllm-afd launch`` stops the deployment naming the
@@ -89,7 +93,13 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
         assert endpoint is not None  # one TP rank per attention rank
         slow = self._mode is not ExecMode.EAGER or not self._served
         timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
-        return endpoint.exchange(
+        device = hidden.device
+        if device.type != "cpu":
+            # frames leave from host memory: one copy each way per layer
+            hidden = hidden.cpu()
+            routing = Routing(routing.topk_weights.cpu(), routing.topk_ids.cpu())
+        out = endpoint.exchange(
             layer_idx, hidden.contiguous(), routing, parts, self.shared_experts,
             timeout_s,
         )  # fmt: skip
+        return out.to(device)

@@ -115,8 +115,11 @@ class FFNSideMixin(AFDRunnerMixin):
         """The ``async`` connector: serve work items (``worker.async_loop``)."""
         work = endpoint.work
         assert isinstance(work, AsyncFFN)  # FFN ranks have TP 1 on async
+        compute = self._afd_compute
+        if self.device.type != "cpu":
+            compute = self._afd_compute_staged
         loop = self.afd_async_loop = AsyncFFNLoop(
-            work, self._afd_compute, on_exit=self._afd_async_loop_exited
+            work, compute, on_exit=self._afd_async_loop_exited
         )
         self.afd_metrics = endpoint_publisher("ffn", endpoint.role_rank, work, loop)
         loop.start()
@@ -262,6 +265,18 @@ class FFNSideMixin(AFDRunnerMixin):
             set_forward_context(None, self.vllm_config, num_tokens=hidden.shape[0]),
         ):
             return self.model.compute_ffn(layer_idx, hidden, batch.routing)
+
+    def _afd_compute_staged(self, layer_idx: int, batch: A2FBatch) -> torch.Tensor:
+        """:meth:`_afd_compute` on this rank's GPU for a work item that
+        arrived in host memory (``async``), its output back in host memory."""
+        device = self.device
+        routing = batch.routing
+        if routing is not None:
+            routing = Routing(
+                routing.topk_weights.to(device), routing.topk_ids.to(device)
+            )
+        out = self._afd_compute(layer_idx, A2FBatch(batch.hidden.to(device), routing))
+        return out.cpu()
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
         endpoint = self.afd_endpoint
