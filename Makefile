@@ -17,7 +17,7 @@ test: setup
 	.venv/bin/ruff check vllm_afd tests tools
 	.venv/bin/ruff format --check vllm_afd tests tools
 	.venv/bin/mypy vllm_afd
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60 -n $(TEST_WORKERS) --dist loadfile
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A few minutes: lint, types, unit and connector tests (no vLLM servers).
 test-fast: setup

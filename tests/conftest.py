@@ -95,6 +95,27 @@ def _host_share(alone: bool):
             fcntl.flock(host, fcntl.LOCK_UN)
 
 
+#: test files by their measured cost, most first (docs/testing.md): a worker
+#: takes the next file in collection order (``--no-loadscope-reorder``), so
+#: the longest start first, the many short files fill the gaps, and the
+#: ``alone`` files come last, when no other file is left to wait for them
+LONGEST_FIRST = (
+    "test_plan", "test_families", "test_pd", "test_scale_out",
+    "test_gate_on_attention", "test_exact_1a1f", "test_multi_host",
+    "test_demo", "test_bench", "test_tiny_model_hf_parity",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def order(item) -> tuple[int, int]:
+        if item.get_closest_marker("alone") is not None:
+            return (2, 0)
+        name = item.path.stem
+        return (0, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (1, 0)
+
+    items.sort(key=order)  # stable: a file's tests keep their order
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     with _host_share(item.get_closest_marker("alone") is not None):

@@ -27,7 +27,9 @@ def server_pool():
         script = os.path.join(os.path.dirname(__file__), "warm_registry.py")
         subprocess.run([sys.executable, script], check=True, timeout=300)
 
-    harness.POOL.keep = 3
+    # two workers, each with a pool, share the host's memory
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    harness.POOL.keep = 3 if workers == 1 else 2
     yield harness.POOL
     harness.POOL.close()
     harness.PLAIN_RUNNER.close()
