@@ -31,6 +31,13 @@ TRIED: dict[str, str] = {
         "plain vLLM's load of a transformers-written checkpoint fails "
         "(`too many values to unpack`); no record yet"
     ),
+    "Qwen3_5MoeForCausalLM": (
+        "vLLM's `qwen3_5` module imports its vision model, whose image "
+        "processor needs torchvision, which the CPU install lacks (the CUDA "
+        "builds pip brings break CPU torch): plain vLLM cannot load it on "
+        "CPU; its MoE block and attention classes are Qwen3-Next's, which is "
+        "served; no record until it is tried on a GPU host"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
