@@ -3,9 +3,11 @@
 #   make test   the test suite (what CI runs)
 .PHONY: setup demo test test-fast lint bench-connector
 
-# pytest-xdist workers of `make test`, one test file at a time each (a 2-core
-# host: most of a vLLM server's start is single-threaded imports)
-TEST_WORKERS ?= 2
+# pytest-xdist workers of `make test`, one test file at a time each; 0: one
+# process. Two on a 2-core, 24 GiB host gained about 10 % (the end-to-end
+# tests keep both cores busy) and once left a server start 1 GiB short of
+# memory: use them on bigger hosts (docs/testing.md)
+TEST_WORKERS ?= 0
 
 setup:
 	@bash tools/setup.sh

@@ -10,11 +10,12 @@ docs/testing.md. (A server a pool starts on a thread is counted for the test
 that asked for it.) The end-to-end figures (``harness.Results``) are files
 there too.
 
-The suite runs in pytest-xdist workers (``make test``: two, one test file at
-a time each). A test marked ``alone`` asserts times (faults: seconds from the
-signal to the error), so it runs with no other worker's test beside it: every
-test holds the session's host lock shared, an ``alone`` test holds it
-exclusively (a turnstile first, so a waiting ``alone`` test is not starved).
+The suite can run in pytest-xdist workers (``make test TEST_WORKERS=2``, one
+test file at a time each; CI runs one process). A test marked ``alone``
+asserts times (faults: seconds from the signal to the error), so it runs
+with no other worker's test beside it: every test holds the session's host
+lock shared, an ``alone`` test holds it exclusively (a turnstile first, so a
+waiting ``alone`` test is not starved).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(session, config, items):
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2:
+        return  # one process: the files in their own order
+
     def order(item) -> tuple[int, int]:
         if item.get_closest_marker("alone") is not None:
             return (2, 0)
