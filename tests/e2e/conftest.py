@@ -28,8 +28,7 @@ def server_pool():
         subprocess.run([sys.executable, script], check=True, timeout=300)
 
     # two workers, each with a pool, share the host's memory
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    harness.POOL.keep = 3 if workers == 1 else 2
+    harness.POOL.keep = 3 if harness.xdist_workers() == 1 else 2
     yield harness.POOL
     harness.POOL.close()
     harness.PLAIN_RUNNER.close()

@@ -101,12 +101,17 @@ def bindable(port: int) -> bool:
         return True
 
 
+def xdist_workers() -> int:
+    """How many pytest-xdist workers run the session (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def _port_range() -> tuple[int, int]:
     """This test process's ports: below the kernel's ephemeral range, and a
     share of their own for each of pytest-xdist's workers (two workers
     choosing at once must not both pick a port that neither binds yet)."""
     low, high = 10000, _ephemeral_low() - 1
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    count = xdist_workers()
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     share = (high - low) // count
     # room above the last choice for runs and ports derived by offsets

@@ -26,6 +26,10 @@ class Routing:
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
 
+    def to(self, device: torch.device | str) -> Routing:
+        """The same routing on ``device`` (tensors already there kept)."""
+        return Routing(self.topk_weights.to(device), self.topk_ids.to(device))
+
 
 @dataclass(frozen=True)
 class A2FBatch:
@@ -42,6 +46,11 @@ class A2FBatch:
 
     hidden: torch.Tensor
     routing: Routing | None
+
+    def to(self, device: torch.device | str) -> A2FBatch:
+        """The same batch on ``device`` (tensors already there kept)."""
+        routing = None if self.routing is None else self.routing.to(device)
+        return A2FBatch(self.hidden.to(device), routing)
 
 
 @dataclass(frozen=True)

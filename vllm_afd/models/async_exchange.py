@@ -96,8 +96,7 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
         device = hidden.device
         if device.type != "cpu":
             # frames leave from host memory: one copy each way per layer
-            hidden = hidden.cpu()
-            routing = Routing(routing.topk_weights.cpu(), routing.topk_ids.cpu())
+            hidden, routing = hidden.cpu(), routing.to("cpu")
         out = endpoint.exchange(
             layer_idx, hidden.contiguous(), routing, parts, self.shared_experts,
             timeout_s,

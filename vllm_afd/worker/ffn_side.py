@@ -269,14 +269,7 @@ class FFNSideMixin(AFDRunnerMixin):
     def _afd_compute_staged(self, layer_idx: int, batch: A2FBatch) -> torch.Tensor:
         """:meth:`_afd_compute` on this rank's GPU for a work item that
         arrived in host memory (``async``), its output back in host memory."""
-        device = self.device
-        routing = batch.routing
-        if routing is not None:
-            routing = Routing(
-                routing.topk_weights.to(device), routing.topk_ids.to(device)
-            )
-        out = self._afd_compute(layer_idx, A2FBatch(batch.hidden.to(device), routing))
-        return out.cpu()
+        return self._afd_compute(layer_idx, batch.to(self.device)).cpu()
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
         endpoint = self.afd_endpoint
