@@ -10,6 +10,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Small KV cache: the tiny models need little and CI machines have 2 cores.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# The end-to-end servers run vLLM's worker inside its engine-core process:
+# a server ready in about half the time (``harness.LAYOUT_KEY``). Modules
+# marked ``worker_processes`` (the launcher, faults, several hosts, the demo,
+# the first exactness check) and bf16 servers (``harness.layout_env``) run
+# vLLM's CPU default, a worker process per engine core.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_layout(request):
+    """vLLM's CPU default layout for a module marked ``worker_processes``,
+    set before its module fixtures start servers."""
+    from harness import LAYOUT_KEY
+
+    before = os.environ[LAYOUT_KEY]
+    if request.node.get_closest_marker("worker_processes") is not None:
+        os.environ[LAYOUT_KEY] = "1"
+    yield
+    os.environ[LAYOUT_KEY] = before
+
 
 @pytest.fixture(scope="session", autouse=True)
 def server_pool():

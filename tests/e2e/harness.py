@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,18 @@ FAULT_RESULTS = Results("faults")
 PLAN_RESULTS = Results("plan")
 
 #: settings shared by AFD and the baseline: exactness is "same settings"
-BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0"]
+#: vLLM's legacy CPU KV cache size in GiB (``tests/e2e/conftest.py`` sets 1
+#: for the servers tests start through the CLI); it wins over
+#: ``--kv-cache-memory-bytes``, so :func:`server_env` drops it where
+#: ``BASE_ARGS`` size the KV cache
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: every server the harness starts: 16 sequences of 512 tokens of a tiny
+#: model need a few MiB of KV cache, and vLLM's CPU worker zeroes its KV cache
+#: at start (~2.7 s per GiB on two cores)
+BASE_ARGS = [
+    "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
+    "--kv-cache-memory-bytes", "64M",
+]  # fmt: skip
 
 WORDS = (
     "experts route tokens through layers while attention keeps the cache and "
@@ -319,7 +330,8 @@ class PlainRunner:
     engine, settings and requests (``ignore_eos``, the same new-token counts).
 
     Serves CPU servers of one worker (no ``--tensor-parallel-size`` or
-    ``--data-parallel-size`` above 1) with ``--dtype float32``; the others run
+    ``--data-parallel-size`` above 1) with ``--dtype float32`` and their KV
+    cache sized by their arguments (``BASE_ARGS``); the others run
     as servers. In bf16 the offline engine is not the server's: in one
     process vLLM cannot set OpenMP up as in its worker process, GEMMs split
     their sums otherwise, and bf16 rounds that apart (7 of 16 greedy requests
@@ -338,11 +350,13 @@ class PlainRunner:
         wide = any(a in many and argv[i + 1] != "1" for i, a in enumerate(argv[:-1]))
         dtypes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--dtype"]
         fp32 = bool(dtypes) and dtypes[-1] == "float32"
-        return fp32 and not wide and not _cuda_visible()
+        sized = "--kv-cache-memory-bytes" in argv  # this process has no KV_ENV
+        return fp32 and sized and not wide and not _cuda_visible()
 
     def _start(self) -> None:
         read, write = os.pipe()
         env = dict(os.environ)
+        env.pop(KV_ENV, None)  # the servers it serves size their KV cache
         envs.note_server_start([sys.executable, "plain_runner.py"])  # a plain start
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(
@@ -457,10 +471,19 @@ class ServerPool:
 
     @staticmethod
     def deployment_key(spec: DeploymentSpec) -> tuple:
+        """Every field of ``spec`` but its ports, and the variables of this
+        environment (its role processes inherit it) that change what vLLM
+        does (``VLLM_*``, ``CUDA_*``: the worker layout among them)."""
         fields = dataclasses.asdict(spec)
         for port in ("port", "ffn_port", "afd_port", "dp_rpc_port"):
             fields.pop(port)
-        return ("afd", json.dumps(fields, sort_keys=True, default=str))
+        env = server_env(spec, os.environ)
+        env = {k: v for k, v in env.items() if k.startswith(("VLLM_", "CUDA_"))}
+        return (
+            "afd",
+            json.dumps(fields, sort_keys=True, default=str),
+            tuple(sorted(env.items())),
+        )
 
     @staticmethod
     def plain_key(plain: PlainServer) -> tuple:
@@ -560,7 +583,7 @@ class ServerPool:
         # a port of its own: it may start while the deployment of the same
         # spec (whose port the baseline takes otherwise) starts beside it
         server = PlainServer(spec, log=log, port=free_port())
-        server.process.env = {**server.process.env, **(env or {})}
+        server.process.env = {**server_env(spec, server.process.env), **(env or {})}
         if devices is not None:
             server.process.env["CUDA_VISIBLE_DEVICES"] = devices
         return server
@@ -765,6 +788,36 @@ def free_port_pair() -> int:
             return port
 
 
+#: vLLM's switch between its two worker layouts on CPU: "1" (its default) a
+#: worker process per engine core, for OpenMP thread binding; "0" the worker
+#: inside the engine-core process, as vLLM runs one GPU. The end-to-end
+#: session defaults to "0" (``tests/e2e/conftest.py``): one process less to
+#: import vLLM into per role, a server ready in about half the time on two
+#: cores (AFD 1A1F: 18 s against 37 s).
+LAYOUT_KEY = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def layout_env(spec: DeploymentSpec) -> dict[str, str]:
+    """The worker layout of ``spec``'s servers where it is not the session's:
+    vLLM's default (worker processes) for bf16. In bf16 the two layouts round
+    apart (OpenMP is set up in the worker process only): Qwen3-Next, AFD and
+    plain vLLM both in the one-process layout, had its greedy tokens
+    identical but logprobs up to 0.1 apart, against 1e-2 in vLLM's default."""
+    args = spec.vllm_args
+    dtypes = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--dtype"]
+    return {LAYOUT_KEY: "1"} if dtypes and dtypes[-1] == "bfloat16" else {}
+
+
+def server_env(spec: DeploymentSpec, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a server of ``spec``: its worker layout
+    (:func:`layout_env`), without :data:`KV_ENV` where the arguments size
+    the KV cache."""
+    env = {**env, **layout_env(spec)}
+    if "--kv-cache-memory-bytes" in spec.vllm_args:
+        env.pop(KV_ENV, None)
+    return env
+
+
 def make_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
     afd_port = free_port_pair()
     others = [p for p in free_ports(4) if p not in (afd_port, afd_port + 1)]
@@ -807,6 +860,8 @@ def start(spec: DeploymentSpec, **kw: Any) -> tuple[Deployment, LogSink]:
     error carries the logs' last lines (the cause is in them)."""
     log = LogSink()
     afd = Deployment(spec, log=log)
+    for proc in afd.processes:
+        proc.env = server_env(spec, proc.env)
     try:
         afd.start(**kw)
     except LaunchError as e:

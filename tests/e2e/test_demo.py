@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 from harness import free_port_pair
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.worker_processes,
+    pytest.mark.usefixtures("quiet_host"),
+]
 
 DEMO_TIMEOUT_S = 900
 

@@ -247,9 +247,10 @@ def test_async_ffn_rank_lost_stops_every_role_naming_it(family_models):
             wait_for(lambda: supervisor.error is not None, 60, "the supervisor to stop")
         stopped = time.monotonic() - killed
         # named by the supervisor (ffn1 exited) or by FFN rank 0, which stops
-        # on the attention rank's word (``ffn rank 1 closed its connection``)
+        # on the attention rank's word (``ffn rank 1 closed its connection``,
+        # or ``is unreachable`` when the kill came during a send)
         said = str(supervisor.error)
-        assert "ffn1" in said or "ffn rank 1 closed" in said, said
+        assert "ffn1" in said or "ffn rank 1 " in said, said
         assert "cannot rejoin" in said, said
         assert all(p.exit_code() is not None for p in afd.processes)
     except BaseException:
