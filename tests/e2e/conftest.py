@@ -12,9 +12,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # The end-to-end servers run vLLM's worker inside its engine-core process:
 # a server ready in about half the time (``harness.LAYOUT_KEY``). Modules
-# marked ``worker_processes`` (the launcher, faults, several hosts, the demo,
-# the first exactness check) and bf16 servers (``harness.layout_env``) run
-# vLLM's CPU default, a worker process per engine core.
+# marked ``worker_processes`` (the launcher, faults, several hosts, the demo)
+# run vLLM's CPU default, a worker process per engine core.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 

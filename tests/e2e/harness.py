@@ -471,9 +471,9 @@ class ServerPool:
 
     @staticmethod
     def deployment_key(spec: DeploymentSpec) -> tuple:
-        """Every field of ``spec`` but its ports, and the variables of this
-        environment (its role processes inherit it) that change what vLLM
-        does (``VLLM_*``, ``CUDA_*``: the worker layout among them)."""
+        """Every field of ``spec`` but its ports, and the variables of its
+        servers' environment that change what vLLM does (``VLLM_*``,
+        ``CUDA_*``: the worker layout among them)."""
         fields = dataclasses.asdict(spec)
         for port in ("port", "ffn_port", "afd_port", "dp_rpc_port"):
             fields.pop(port)
@@ -797,22 +797,26 @@ def free_port_pair() -> int:
 LAYOUT_KEY = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-def layout_env(spec: DeploymentSpec) -> dict[str, str]:
-    """The worker layout of ``spec``'s servers where it is not the session's:
-    vLLM's default (worker processes) for bf16. In bf16 the two layouts round
-    apart (OpenMP is set up in the worker process only): Qwen3-Next, AFD and
-    plain vLLM both in the one-process layout, had its greedy tokens
-    identical but logprobs up to 0.1 apart, against 1e-2 in vLLM's default."""
-    args = spec.vllm_args
-    dtypes = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--dtype"]
-    return {LAYOUT_KEY: "1"} if dtypes and dtypes[-1] == "bfloat16" else {}
+def has_linear_attention(model: str) -> bool:
+    """Whether ``model``'s layers mix in linear attention (Qwen3-Next). In
+    the one-process layout its bf16 outputs moved with the KV cache size,
+    for plain vLLM and AFD alike: with a 1 GiB cache 9 logprobs of the
+    workload differed by up to 0.099 between the two (which one gave which
+    value swapped between runs), with 64 MiB none; in vLLM's default layout
+    they agree at either size."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return False
+    return "linear_attention" in json.loads(path.read_text()).get("layer_types", [])
 
 
 def server_env(spec: DeploymentSpec, env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for a server of ``spec``: its worker layout
-    (:func:`layout_env`), without :data:`KV_ENV` where the arguments size
-    the KV cache."""
-    env = {**env, **layout_env(spec)}
+    """``env`` for a server of ``spec``: without :data:`KV_ENV` where the
+    arguments size the KV cache, and in vLLM's default worker layout for a
+    model with linear attention (:func:`has_linear_attention`)."""
+    env = dict(env)
+    if has_linear_attention(spec.model):
+        env[LAYOUT_KEY] = "1"
     if "--kv-cache-memory-bytes" in spec.vllm_args:
         env.pop(KV_ENV, None)
     return env

@@ -32,7 +32,7 @@ from harness import (
     start,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.worker_processes]
+pytestmark = pytest.mark.e2e
 
 CASES = [
     # (arch, dtype, extra vLLM args, start attention first)
