@@ -1,6 +1,8 @@
-"""An ``async`` FFN rank keeps its own routed experts only
-(``FFNLayers.keep_experts``): one row per expert sliced, anything else
-refused by name."""
+"""An ``async`` FFN rank keeps its own routed experts only: taken before
+the weights load (``FFNLayers.take_expert_slice``: vLLM's loader maps the
+checkpoint's expert ids into the slice and skips the others; an expert the
+loader left out is named), or cut after (``FFNLayers.keep_experts``); one
+row per expert, anything else refused by name."""
 
 from __future__ import annotations
 
@@ -20,11 +22,55 @@ def _layers(**extra: torch.Tensor) -> tuple[FFNLayers, nn.Module]:
     experts = nn.Module()
     experts.w13_weight = nn.Parameter(torch.randn(EXPERTS, 2 * WIDTH, HIDDEN))
     experts.w2_weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN, WIDTH))
+    experts.w13_weight.weight_loader = "vLLM's loader"  # set_weight_attrs
     for name, value in extra.items():
         setattr(experts, name, nn.Parameter(value))
     layers = FFNLayers.__new__(FFNLayers)  # the slicing alone: no model
     layers.runners = {1: SimpleNamespace(routed_experts=experts, shared_experts=None)}
+    layers.split = SimpleNamespace(num_experts=EXPERTS)
+    layers.expert_slice = None
     return layers, experts
+
+
+def _load(experts: nn.Module, checkpoint: dict[str, torch.Tensor], skip=()) -> None:
+    """What vLLM's expert weight loader does: every checkpoint expert's id
+    mapped to the rank's own, -1 skipped (expert ids in ``skip`` left out, as
+    a model loading its experts past the mapping would)."""
+    for name, full in checkpoint.items():
+        param = getattr(experts, name)
+        for expert_id in range(EXPERTS):
+            local = experts._map_global_expert_id_to_local_expert_id(expert_id)
+            if local != -1 and expert_id not in skip:
+                param.data[local].copy_(full[expert_id])
+
+
+def test_a_slice_taken_before_loading_holds_its_experts_only():
+    layers, experts = _layers()
+    checkpoint = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    layers.take_expert_slice(2, 5)
+    assert experts.w13_weight.shape == (3, 2 * WIDTH, HIDDEN)
+    assert experts.w2_weight.shape == (3, HIDDEN, WIDTH)
+    assert experts.w13_weight.weight_loader == "vLLM's loader"
+    assert torch.isnan(experts.w2_weight).all()  # until loaded
+    _load(experts, checkpoint)
+    layers.check_slice_loaded()
+    assert torch.equal(experts.w13_weight, checkpoint["w13_weight"][2:5])
+    assert torch.equal(experts.w2_weight, checkpoint["w2_weight"][2:5])
+    # the worker's keep_experts then keeps what loaded, counting every expert
+    kept, before = layers.keep_experts(2, 5)
+    assert torch.equal(experts.w2_weight, checkpoint["w2_weight"][2:5])
+    assert 8 * kept == 3 * before and layers.first_expert == 2
+    with pytest.raises(AFDConfigError, match=r"loaded 2\.\.4"):
+        layers.keep_experts(0, 4)
+
+
+def test_an_expert_the_loader_left_out_is_named():
+    layers, experts = _layers()
+    checkpoint = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    layers.take_expert_slice(4, 8)
+    _load(experts, checkpoint, skip={6})
+    with pytest.raises(AFDConfigError, match=r"layer 1: w13_weight .* not loaded"):
+        layers.check_slice_loaded()
 
 
 def test_a_rank_keeps_the_rows_of_its_experts():
@@ -41,5 +87,6 @@ def test_experts_with_biases_are_refused_naming_them():
     layers, _ = _layers(
         w13_bias=torch.zeros(EXPERTS, 2 * WIDTH), w2_bias=torch.zeros(EXPERTS, HIDDEN)
     )
-    with pytest.raises(AFDConfigError, match=r"layer 1: .* hold w13_bias, w2_bias"):
-        layers.keep_experts(0, 4)
+    for cut in (layers.take_expert_slice, layers.keep_experts):
+        with pytest.raises(AFDConfigError, match=r"layer 1: .* hold w13_bias, w2_bias"):
+            cut(0, 4)

@@ -128,6 +128,16 @@ def _check_routable(name: str, runner: Any) -> None:
         )
 
 
+def _slice_map(lo: int, hi: int) -> Callable[[int], int]:
+    """vLLM's global-to-local expert id map for experts ``[lo, hi)``; -1 (not
+    on this rank: the loader skips it) for the others."""
+
+    def local(expert_id: int) -> int:
+        return expert_id - lo if lo <= expert_id < hi else -1
+
+    return local
+
+
 class FFNLayers:
     """Layer index -> the computation the FFN role runs for it."""
 
@@ -138,6 +148,9 @@ class FFNLayers:
         #: the first expert this rank holds (``keep_experts``): shipped ids
         #: are global, the kernel's local
         self.first_expert = 0
+        #: the routed experts ``[lo, hi)`` taken before the weights loaded
+        #: (``take_expert_slice``), or None: all of them
+        self.expert_slice: tuple[int, int] | None = None
         self.layers: dict[int, LayerFn] = {}
         self.compiled: dict[int, LayerFn] = {}
         gate_on_attn = afd.compute_gate_on_attention
@@ -174,24 +187,23 @@ class FFNLayers:
             fn = self.layers[layer_idx]
         return fn(hidden)
 
-    def keep_experts(
-        self, lo: int, hi: int, keep_shared: bool = True
-    ) -> tuple[int, int]:
-        """Keep the weights of routed experts ``[lo, hi)`` only (the ``async``
-        connector's expert slice of this FFN rank); the kernel then indexes
-        them ``0..hi-lo-1`` and :meth:`compute` shifts the shipped ids.
-        Without ``keep_shared`` the shared experts go too: they return zeros
-        (another FFN rank runs them; the attention rank reads its output).
+    def take_expert_slice(self, lo: int, hi: int) -> None:
+        """Before the weights load: hold routed experts ``[lo, hi)`` only
+        (the ``async`` connector's expert slice of this FFN rank).
 
-        Returns:
-            Bytes of routed-expert weights (kept, before).
+        Each MoE layer's expert parameters shrink to ``hi - lo`` experts
+        (filled with NaN until loaded: :meth:`check_slice_loaded`), and
+        vLLM's weight loader maps the checkpoint's global expert ids into the
+        slice and skips the others, as it does for its own expert
+        parallelism; so the other experts are never copied into memory. The
+        kernel then indexes the slice ``0..hi-lo-1`` and :meth:`compute`
+        shifts the shipped ids.
 
         Raises:
             AFDConfigError: a layer's experts hold more than ``w13_weight``
                 and ``w2_weight`` per expert (biases, quantization scales),
                 which this slicing does not know how to cut.
         """
-        kept = before = 0
         for idx, runner in self.runners.items():
             experts = runner.routed_experts
             params = dict(experts.named_parameters(recurse=False))
@@ -203,12 +215,79 @@ class FFNLayers:
                     "over FFN ranks (afd.connector='async') is not supported"
                 )
             for name, param in params.items():
-                before += param.numel() * param.element_size()
                 local = torch.nn.Parameter(
-                    param.data[lo:hi].clone(), requires_grad=False
+                    param.data.new_full((hi - lo, *param.shape[1:]), float("nan")),
+                    requires_grad=False,
                 )
+                local.__dict__.update(param.__dict__)  # vLLM's weight_loader &c.
                 setattr(experts, name, local)
-                kept += local.numel() * local.element_size()
+            experts._map_global_expert_id_to_local_expert_id = _slice_map(lo, hi)
+        self.expert_slice = (lo, hi)
+        self.first_expert = lo
+
+    def check_slice_loaded(self) -> None:
+        """After the weights load: every expert of the slice was loaded.
+
+        Raises:
+            AFDConfigError: a layer's expert weights still hold the NaN
+                :meth:`take_expert_slice` filled them with: the model's
+                loader wrote its experts past vLLM's expert-id mapping.
+        """
+        for idx, runner in self.runners.items():
+            for name, param in runner.routed_experts.named_parameters(recurse=False):
+                if torch.isnan(param.data).any():
+                    raise AFDConfigError(
+                        f"layer {idx}: {name} of this FFN rank's expert slice "
+                        "was not loaded (the model loads its experts past "
+                        "vLLM's expert-id mapping); afd.connector='async' "
+                        "with several FFN ranks cannot split this model's experts"
+                    )
+
+    def keep_experts(
+        self, lo: int, hi: int, keep_shared: bool = True
+    ) -> tuple[int, int]:
+        """Keep the weights of routed experts ``[lo, hi)`` only (the ``async``
+        connector's expert slice of this FFN rank): the slice
+        :meth:`take_expert_slice` took before the weights loaded, else cut
+        now from all the loaded experts. Without ``keep_shared`` the shared
+        experts go too: they return zeros (another FFN rank runs them; the
+        attention rank reads its output).
+
+        Returns:
+            Bytes of routed-expert weights (kept, of all experts).
+
+        Raises:
+            AFDConfigError: a layer's experts hold more than ``w13_weight``
+                and ``w2_weight`` per expert (biases, quantization scales),
+                which this slicing does not know how to cut; or the slice
+                taken at load is another.
+        """
+        taken = self.expert_slice
+        if taken is not None and taken != (lo, hi):
+            raise AFDConfigError(
+                f"routed experts {lo}..{hi - 1} asked for, but this rank "
+                f"loaded {taken[0]}..{taken[1] - 1}"
+            )
+        kept = before = 0
+        total = self.split.num_experts
+        for idx, runner in self.runners.items():
+            experts = runner.routed_experts
+            params = dict(experts.named_parameters(recurse=False))
+            extra = sorted(set(params) - {"w13_weight", "w2_weight"})
+            if extra:
+                raise AFDConfigError(
+                    f"layer {idx}: the routed experts hold {', '.join(extra)} "
+                    "besides w13_weight and w2_weight; splitting their experts "
+                    "over FFN ranks (afd.connector='async') is not supported"
+                )
+            for name, param in params.items():
+                before += param.numel() * param.element_size() * total // len(param)
+                if taken is None:
+                    param = torch.nn.Parameter(
+                        param.data[lo:hi].clone(), requires_grad=False
+                    )
+                    setattr(experts, name, param)
+                kept += param.numel() * param.element_size()
             shared = runner.shared_experts
             if not keep_shared and shared is not None:
                 check_patch(SHARED_LAYER)

@@ -288,7 +288,26 @@ class RoleSplitMixin(nn.Module):
                 mapped or name, split.prefixes, compute_gate_on_attention=gate_on_attn
             )
 
-        return super().load_weights((n, t) for n, t in weights if owner(n) is role)
+        sliced = self._afd_take_expert_slice()
+        loaded = super().load_weights((n, t) for n, t in weights if owner(n) is role)
+        if sliced:
+            assert self.afd_ffn is not None
+            self.afd_ffn.check_slice_loaded()
+        return loaded
+
+    def _afd_take_expert_slice(self) -> bool:
+        """``async`` FFN rank of several: hold only its own routed experts
+        before the weights load (``FFNLayers.take_expert_slice``); whether it
+        did."""
+        afd = self.afd
+        if not (afd.is_ffn and afd.is_async and afd.num_ffn_ranks > 1):
+            return False
+        from vllm_afd.connector.async_ep import ExpertSlices
+
+        assert self.afd_ffn is not None
+        slices = ExpertSlices(self.afd_split.num_experts, afd.num_ffn_ranks)
+        self.afd_ffn.take_expert_slice(*slices.bounds(afd.rank or 0))
+        return True
 
 
 def check_role_weights(model: nn.Module, afd: AFDConfig, split: ModelSplit) -> None:
