@@ -36,6 +36,10 @@ its connection (an error naming the rank), or with :meth:`close`.
 Connections: the p2p rendezvous (``p2p_rendezvous``, all-to-all topology,
 fingerprints compared, shared secret) on ``afd.host:afd.port``; afterwards its
 TCP connections carry the binary frames of ``async_wire``.
+
+(Over 500 lines on purpose: the attention side and the FFN side are the two
+halves of one exchange, each frame sent on one side read a few functions away
+on the other.)
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ Start order: prefill servers (or deployment), then the decode deployment
 decode deployment (attention first), the prefill servers. A prefill server that exits is
 started again with a backoff; its requests in flight fail at the router
 (HTTP 5xx) and decode serves on.
+
+(Over 500 lines on purpose: the composition's spec, its process list and its
+supervision follow the start and stop orders above together; a change to one
+side's ports or roles shows in all three.)
 """
 
 from __future__ import annotations
