@@ -64,7 +64,6 @@ from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.worker_processes,
     pytest.mark.alone,
     pytest.mark.usefixtures("quiet_host"),
 ]
