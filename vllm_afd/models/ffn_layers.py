@@ -138,6 +138,25 @@ def _slice_map(lo: int, hi: int) -> Callable[[int], int]:
     return local
 
 
+def _sliceable_params(idx: int, experts: nn.Module) -> dict[str, nn.Parameter]:
+    """Layer ``idx``'s routed-expert parameters, each one row per expert.
+
+    Raises:
+        AFDConfigError: they hold more than ``w13_weight`` and ``w2_weight``
+            (biases, quantization scales), which an expert slice does not
+            know how to cut.
+    """
+    params = dict(experts.named_parameters(recurse=False))
+    extra = sorted(set(params) - {"w13_weight", "w2_weight"})
+    if extra:
+        raise AFDConfigError(
+            f"layer {idx}: the routed experts hold {', '.join(extra)} "
+            "besides w13_weight and w2_weight; splitting their experts "
+            "over FFN ranks (afd.connector='async') is not supported"
+        )
+    return params
+
+
 class FFNLayers:
     """Layer index -> the computation the FFN role runs for it."""
 
@@ -206,14 +225,7 @@ class FFNLayers:
         """
         for idx, runner in self.runners.items():
             experts = runner.routed_experts
-            params = dict(experts.named_parameters(recurse=False))
-            extra = sorted(set(params) - {"w13_weight", "w2_weight"})
-            if extra:
-                raise AFDConfigError(
-                    f"layer {idx}: the routed experts hold {', '.join(extra)} "
-                    "besides w13_weight and w2_weight; splitting their experts "
-                    "over FFN ranks (afd.connector='async') is not supported"
-                )
+            params = _sliceable_params(idx, experts)
             for name, param in params.items():
                 local = torch.nn.Parameter(
                     param.data.new_full((hi - lo, *param.shape[1:]), float("nan")),
@@ -272,14 +284,7 @@ class FFNLayers:
         total = self.split.num_experts
         for idx, runner in self.runners.items():
             experts = runner.routed_experts
-            params = dict(experts.named_parameters(recurse=False))
-            extra = sorted(set(params) - {"w13_weight", "w2_weight"})
-            if extra:
-                raise AFDConfigError(
-                    f"layer {idx}: the routed experts hold {', '.join(extra)} "
-                    "besides w13_weight and w2_weight; splitting their experts "
-                    "over FFN ranks (afd.connector='async') is not supported"
-                )
+            params = _sliceable_params(idx, experts)
             for name, param in params.items():
                 before += param.numel() * param.element_size() * total // len(param)
                 if taken is None:
