@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # The end-to-end servers run vLLM's worker inside its engine-core process:
 # a server ready in about half the time (``harness.LAYOUT_KEY``). Modules
-# marked ``worker_processes`` (the launcher, several hosts, the demo)
+# marked ``worker_processes`` (the launcher, the demo)
 # run vLLM's CPU default, a worker process per engine core.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

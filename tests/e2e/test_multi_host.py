@@ -48,7 +48,6 @@ from hosts import emulated_hosts, unavailable
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.worker_processes,
     pytest.mark.usefixtures("quiet_host"),
     pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
 ]
