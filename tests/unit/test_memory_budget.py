@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_afd.deploy import DeploymentSpec, role_processes
+from vllm_afd.deploy import DeploymentSpec, memory, role_processes
 from vllm_afd.deploy import commands as commands_mod
 from vllm_afd.deploy.memory import (
     CPU_PROCESS_BYTES,
@@ -160,3 +160,18 @@ def test_a_one_gpu_host_puts_both_roles_on_its_gpu(gpus, given, expected):
         assert spec.data_plane() == "tcp"  # host memory over TCP on any device
         assert spec.role_devices() == ("0", ["0", "0"])
         assert "backend" not in spec.afd_config("ffn")["connector_extra_config"]
+
+
+def test_a_checkpoint_without_weight_files_is_sized_from_its_config(tmp_path):
+    """``--load-format dummy`` reads no files: the budget counts the weights
+    the config describes, within a few percent of what the files would hold."""
+    from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", num_layers=2)
+    files = memory.checkpoint_bytes(str(model))
+    for f in model.glob("*.safetensors"):
+        f.unlink()
+    described = memory.checkpoint_bytes(str(model))
+    assert described == pytest.approx(files, rel=0.05)
+    (model / "config.json").write_text('{"model_type": "no-such-family"}')
+    assert memory.checkpoint_bytes(str(model)) == 0

@@ -78,13 +78,39 @@ def sets_memory(args: Sequence[str]) -> bool:
 
 
 def checkpoint_bytes(model: str) -> int:
-    """Bytes of the weight files of a local checkpoint directory (0 when
-    ``model`` is no local directory: a hub name)."""
+    """Bytes of the weight files of a local checkpoint directory; for a
+    directory with a ``config.json`` and no weight files (served with
+    ``--load-format dummy``), the bytes its config describes
+    (:func:`config_weight_bytes`); 0 when ``model`` is no local directory (a
+    hub name)."""
     root = Path(model)
     if not root.is_dir():
         return 0
     files = [*root.glob("*.safetensors"), *root.glob("*.bin"), *root.glob("*.pt")]
+    if not files and (root / "config.json").is_file():
+        return config_weight_bytes(root)
     return sum(f.stat().st_size for f in files)
+
+
+def config_weight_bytes(root: Path) -> int:
+    """The weight bytes a checkpoint's ``config.json`` describes: the model
+    transformers builds from it on the meta device (no memory), its
+    parameters times the config's dtype (bf16 when it names none). 0 when
+    transformers cannot build it (an architecture it does not know)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError, ImportError, TypeError):
+        return 0
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 2
+    return sum(p.numel() for p in model.parameters()) * itemsize
 
 
 def _numa_node_of_first_cpu() -> int:
