@@ -13,7 +13,8 @@ own start-up lines: the attention role holds no expert weights, the FFN role
 no attention, embedding, norm or lm_head weights, both read the same split
 from what vLLM built, and an ``async`` FFN rank keeps its own half of the
 routed experts only. Last, one of the Qwen3-MoE deployment's FFN ranks is
-killed mid-stream (``async`` has no rejoin: every role stops, naming it).
+killed mid-stream (``async`` has no rejoin: every role stops, naming it),
+after its counters gave ``vllm-afd bench-ttft``'s per-request breakdown.
 DeepSeek-V2/V3 run the same split in ``test_exact_1a1f.py``,
 ``test_gate_on_attention.py`` and ``test_scale_out.py``.
 """
@@ -39,10 +40,13 @@ from harness import (
     model_lines,
     print_log_tail,
     prompts,
+    run_workload,
     served_model,
     stream_until_error,
     wait_for,
 )
+
+from vllm_afd.cli.bench_ttft import afd_counters, breakdown
 
 pytestmark = pytest.mark.e2e
 
@@ -231,6 +235,7 @@ def test_async_ffn_rank_lost_stops_every_role_naming_it(family_models):
     afd, log = POOL.take(spec)
     try:
         url = afd.api_url
+        _check_ttft_breakdown(afd)
         first, outcome = threading.Event(), {}
         stream = threading.Thread(
             target=stream_until_error, args=(url, served_model(url), first, outcome)
@@ -263,6 +268,20 @@ def test_async_ffn_rank_lost_stops_every_role_naming_it(family_models):
         f"1A2F async, ffn rank 1 SIGKILLed: stream error {ended:.2f}s, every "
         f"role stopped {stopped:.2f}s"
     )
+
+
+def _check_ttft_breakdown(afd) -> None:
+    """``vllm-afd bench-ttft``'s per-request breakdown, read from this
+    deployment's counters over 4 requests: every part grows."""
+    urls = [afd.api_url, *(p.url for p in afd.ffns)]
+    before = afd_counters(urls)
+    run_workload(afd.api_url, served_model(afd.api_url), prompts(4))
+
+    def grown() -> bool:
+        parts = breakdown(before, afd_counters(urls), 4)
+        return all(v is not None and v > 0 for v in parts.values())
+
+    wait_for(grown, 30, "the connector wait, FFN compute and A2F counters to grow")
 
 
 def _check_expert_slices(log: str, experts: int, ffn_ranks: int) -> None:

@@ -68,3 +68,22 @@ def test_each_run_has_a_cache_salt_vllm_accepts_and_failures_are_shown():
     row["first_error"] = "HTTPError: HTTP Error 400: Bad Request"
     table = bt.format_table(bt.with_ratios([row]), 1000.0)
     assert "plain vLLM at 1 req/s: 3 failed, first: HTTPError" in table
+
+
+def test_the_breakdown_is_the_counters_growth_per_completed_request():
+    before = {
+        ("afd_connector_wait_seconds", "attention"): 1.0,
+        ("afd_ffn_compute_seconds", "ffn"): 2.0,
+        ("afd_a2f_bytes", "attention"): 0.0,
+    }
+    after = {
+        ("afd_connector_wait_seconds", "attention"): 1.5,
+        ("afd_ffn_compute_seconds", "ffn"): 2.2,
+        ("afd_a2f_bytes", "attention"): 4 * 2**20,
+    }
+    parts = bt.breakdown(before, after, completed=4)
+    assert parts == pytest.approx({"wait_ms": 125.0, "ffn_ms": 50.0, "a2f_mib": 1.0})
+    assert bt.breakdown(before, after, completed=0)["wait_ms"] is None
+    row = {"target": "AFD async 1A2F", "rate": 2.0, **bt.figures([0.2], 0, 1.0, 1.0)}
+    table = bt.format_table(bt.with_ratios([{**row, **parts}]), 1000.0)
+    assert "wait    125.0 ms  ffn     50.0 ms  a2f    1.00 MiB" in table

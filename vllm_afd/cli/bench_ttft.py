@@ -10,6 +10,13 @@ and settings, one after another; for every request rate a Poisson stream of
     2.0   AFD p2p 1A1F             ...
     2.0   AFD async 1A2F           ...
 
+For an AFD target each row also holds where a request's time went, from
+the roles' AFD counters (``/metrics``) over that rate's run, per completed
+request: ``wait_ms`` (attention ranks' host time blocked on the connector:
+dispatch, the FFN ranks' work and the combine's wait together),
+``ffn_ms`` (FFN ranks' compute, summed over ranks) and ``a2f_mib``
+(attention-to-FFN payload).
+
 Each (target, rate) run uses prompts of its own prefix-cache salt, so no
 run reads another's cached prefixes. The synchronous connector (``p2p``)
 runs with the gate on attention and at most A FFN ranks (it needs A >= F);
@@ -36,6 +43,7 @@ from vllm_afd.cli.bench_workload import (
     run_requests,
     timed_request,
 )
+from vllm_afd.cli.client import afd_metrics
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 from vllm_afd.deploy.logs import new_log_dir
@@ -124,7 +132,44 @@ def figures(ttfts: list[float], failed: int, duration_s: float, slo_s: float) ->
     }
 
 
-def _measure(url: str, name: str, args: argparse.Namespace, rates: list[float]) -> list:
+#: (row key, AFD counter, role, scale): the per-request breakdown of a row
+BREAKDOWN = (
+    ("wait_ms", "afd_connector_wait_seconds", "attention", 1e3),
+    ("ffn_ms", "afd_ffn_compute_seconds", "ffn", 1e3),
+    ("a2f_mib", "afd_a2f_bytes", "attention", 1 / 2**20),
+)
+
+
+def afd_counters(urls: list[str]) -> dict[tuple[str, str], float]:
+    """The AFD counters of every role endpoint in ``urls``, summed over
+    ranks: {(name, role): value}."""
+    totals: dict[tuple[str, str], float] = {}
+    for url in urls:
+        for (name, role, _rank), value in afd_metrics(url).items():
+            totals[name, role] = totals.get((name, role), 0.0) + value
+    return totals
+
+
+def breakdown(
+    before: dict[tuple[str, str], float],
+    after: dict[tuple[str, str], float],
+    completed: int,
+) -> dict[str, float | None]:
+    """Per completed request, the counters' growth between two reads."""
+    row: dict[str, float | None] = {}
+    for key, name, role, scale in BREAKDOWN:
+        grown = after.get((name, role), 0.0) - before.get((name, role), 0.0)
+        row[key] = grown * scale / completed if completed else None
+    return row
+
+
+def _measure(
+    url: str,
+    name: str,
+    args: argparse.Namespace,
+    rates: list[float],
+    role_urls: list[str] | None = None,
+) -> list:
     served, _ = model_info(url)
     rng = random.Random(args.seed)
     n = args.num_requests
@@ -138,6 +183,7 @@ def _measure(url: str, name: str, args: argparse.Namespace, rates: list[float]) 
     for rate in rates:
         salted = [dataclasses.replace(r, salt=cache_salt(name, rate)) for r in base]
         _note(f"{name}: {n} requests at {rate:g} req/s ...")
+        before = afd_counters(role_urls) if role_urls else None
         run = run_requests(
             name, url, served, salted, concurrency=None, rate=rate,
             seed=args.seed, progress=False,
@@ -145,6 +191,8 @@ def _measure(url: str, name: str, args: argparse.Namespace, rates: list[float]) 
         ttfts = [r.ttft_s for r in run.ok if r.ttft_s is not None]
         failed = len(run.requests) - len(ttfts)
         row = figures(ttfts, failed, run.duration_s, args.slo_ms / 1e3)
+        if before is not None and role_urls:
+            row.update(breakdown(before, afd_counters(role_urls), len(ttfts)))
         error = next((r.error for r in run.requests if r.error), None)
         rows.append({"target": name, "rate": rate, **row, "first_error": error})
     return rows
@@ -197,6 +245,14 @@ def format_table(rows: list[dict], slo_ms: float) -> str:
             f"{r['failed']:>6}  {f'{ratio:.2f}x' if ratio is not None else '-'}"
         )
     lines.append(f"SLO: TTFT <= {slo_ms:g} ms (failed requests miss it)")
+    parts = [r for r in rows if r.get("wait_ms") is not None]
+    if parts:
+        lines.append("per request (AFD counters): connector wait, FFN compute, A2F")
+        for r in sorted(parts, key=lambda r: (r["rate"], r["target"])):
+            lines.append(
+                f"{r['rate']:>6g}  {r['target']:<18} wait {r['wait_ms']:8.1f} ms  "
+                f"ffn {r['ffn_ms']:8.1f} ms  a2f {r['a2f_mib']:7.2f} MiB"
+            )
     for r in rows:
         if r.get("first_error"):
             lines.append(
@@ -263,7 +319,8 @@ def run_bench_ttft(args: argparse.Namespace) -> int:
             dep = Deployment(spec, log=sink, log_dir=log_dir)
             dep.start(args.ready_timeout)
             try:
-                rows += _measure(dep.api_url, name, args, rates)
+                urls = [dep.api_url, *(p.url for p in dep.ffns)]
+                rows += _measure(dep.api_url, name, args, rates, urls)
             finally:
                 dep.stop()
     except (LaunchError, ValueError, OSError) as exc:
