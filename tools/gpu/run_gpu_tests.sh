@@ -5,12 +5,14 @@
 # and logs to OUTDIR.
 #
 #   tools/gpu/run_gpu_tests.sh OUTDIR [--target DIR] [--no-bench | --bench-only]
-#                              [-k EXPR] [-- BENCH_ARGS...]
+#                              [-k EXPR] [--shard I/N] [-- BENCH_ARGS...]
 #
 #   --target DIR   install the project into DIR (pip --target; DIR must be on
 #                  PYTHONPATH) instead of the current environment
 #   --no-bench     tests only;  --bench-only  benchmarks only
 #   -k EXPR        run only the GPU tests pytest selects with -k EXPR
+#   --shard I/N    run only shard I of N (tools/gpu/shard.py: even estimated
+#                  time, so each shard fits one time-limited run)
 #   -- ARGS        passed to tools/gpu/bench_decode.py (e.g. --cuda-graphs)
 #
 # OUTDIR receives: pytest.log, junit.xml, results.json (tests), bench.json and
@@ -22,13 +24,14 @@ set -uo pipefail
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 OUT=$1; shift
-TARGET=""; RUN_TESTS=1; RUN_BENCH=1; SELECT=()
+TARGET=""; RUN_TESTS=1; RUN_BENCH=1; SELECT=(); SHARD=""
 while [ $# -gt 0 ]; do
   case $1 in
     --target) TARGET=$2; shift 2 ;;
     --no-bench) RUN_BENCH=0; shift ;;
     --bench-only) RUN_TESTS=0; shift ;;
     -k) SELECT=(-k "$2"); shift 2 ;;
+    --shard) SHARD=$2; shift 2 ;;
     --) shift; break ;;
     *) usage ;;
   esac
@@ -66,7 +69,13 @@ archive_logs() {
 trap archive_logs EXIT
 trap 'exit 143' TERM INT
 if [ $RUN_TESTS = 1 ]; then
-  python3 -m pytest tests/gpu tests/connector -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
+  TESTS=(tests/gpu tests/connector)
+  if [ -n "$SHARD" ]; then
+    mapfile -t TESTS < <(python3 tools/gpu/shard.py "$SHARD" "${SELECT[@]}") || exit 2
+    [ ${#TESTS[@]} -gt 0 ] || { echo "shard $SHARD holds no test" >&2; exit 2; }
+    echo "shard $SHARD: ${#TESTS[@]} tests"
+  fi
+  python3 -m pytest "${TESTS[@]}" -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$OUT" <<'PY'
