@@ -37,3 +37,13 @@ def test_a_bad_shard_is_refused_naming_the_form(text):
     with pytest.raises(ValueError, match="expected I/N"):
         shard.parse_shard(text)
     assert shard.parse_shard("2/3") == (2, 3)
+
+
+def test_tests_this_host_skips_weigh_nothing_and_the_gpu_default_is_two():
+    assert shard.gpus_needed("tests/gpu/test_x.py::t", None) == 2
+    assert shard.gpus_needed("tests/gpu/test_x.py::t", 1) == 1
+    assert shard.gpus_needed("tests/connector/test_cuda_ipc.py::t", None) == 1
+    ids = ["a", "b", "c", "d"]
+    parts = shard.split(ids, 2, {"a": 100.0, "b": 100.0, "c": 0.1, "d": 0.1})
+    assert sorted(len(p) for p in parts) == [2, 2]
+    assert all(("a" in p) != ("b" in p) for p in parts)

@@ -6,14 +6,17 @@ prints the pytest node ids of shard I (1-based) of N, one per line: the
 tests ``pytest -m gpu tests/gpu tests/connector`` collects (``-k`` as
 pytest's), spread so that the shards' estimated seconds are as even as a
 greedy split makes them (longest first, each to the least loaded shard).
-The estimates (:data:`SECONDS`) are from one H200: a test that starts
-servers costs its role processes' and plain vLLM's start-up, the others a
-few seconds. ``tools/gpu/run_gpu_tests.sh --shard I/N`` runs one shard.
+The estimates (:data:`SECONDS`) are rough: a test that starts servers
+costs its role processes' and plain vLLM's start-up, the others a few
+seconds, and a test needing more GPUs than this host has (``gpus(n)``, 2 in
+tests/gpu without it) skips in no time. ``tools/gpu/run_gpu_tests.sh
+--shard I/N`` runs one shard.
 """
 
 from __future__ import annotations
 
-import subprocess
+import contextlib
+import io
 import sys
 
 #: estimated seconds per test, by the longest matching node-id prefix
@@ -26,23 +29,31 @@ SECONDS = {
 }
 
 
+#: what a test that skips for want of GPUs costs
+SKIPPED_S = 0.1
+
+
 def estimate(node_id: str) -> float:
     """Seconds :data:`SECONDS` gives ``node_id`` (its longest prefix)."""
     prefix = max((p for p in SECONDS if node_id.startswith(p)), key=len, default="")
     return SECONDS.get(prefix, 100.0)
 
 
-def split(node_ids: list[str], shards: int) -> list[list[str]]:
-    """``node_ids`` in ``shards`` lists of near-equal estimated time, each in
-    collection order (module fixtures stay shared within a shard)."""
+def split(
+    node_ids: list[str], shards: int, seconds: dict[str, float] | None = None
+) -> list[list[str]]:
+    """``node_ids`` in ``shards`` lists of near-equal estimated time
+    (``seconds``, else :func:`estimate`), each in collection order (module
+    fixtures stay shared within a shard)."""
     if shards < 1:
         raise ValueError(f"shards={shards} must be at least 1")
+    cost = seconds or {n: estimate(n) for n in node_ids}
     load = [0.0] * shards
     where: dict[str, int] = {}
-    for node in sorted(node_ids, key=estimate, reverse=True):
+    for node in sorted(node_ids, key=lambda n: cost[n], reverse=True):
         i = min(range(shards), key=lambda k: (load[k], k))
         where[node] = i
-        load[i] += estimate(node)
+        load[i] += cost[node]
     return [[n for n in node_ids if where[n] == i] for i in range(shards)]
 
 
@@ -54,16 +65,38 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def collect(select: list[str]) -> list[str]:
-    """The node ids pytest collects for the GPU suite."""
-    argv = [sys.executable, "-m", "pytest", "--collect-only", "-q",
-            "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu", "tests/connector",
-            *select]  # fmt: skip
-    out = subprocess.run(argv, capture_output=True, text=True, check=False)
-    ids = [line for line in out.stdout.splitlines() if "::" in line]
-    if out.returncode not in (0, 5) or not ids:
-        raise SystemExit(f"collecting the GPU tests failed:\n{out.stdout}{out.stderr}")
-    return ids
+def gpus_needed(node_id: str, marker_gpus: int | None) -> int:
+    """GPUs a test needs: its ``gpus(n)`` marker, else 2 in tests/gpu
+    (tests/gpu/conftest.py) and 1 elsewhere."""
+    if marker_gpus is not None:
+        return marker_gpus
+    return 2 if node_id.startswith("tests/gpu/") else 1
+
+
+def collect(select: list[str]) -> dict[str, float]:
+    """The GPU suite's node ids as pytest collects them, with their
+    estimated seconds on this host."""
+    import pytest
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    found: dict[str, float] = {}
+
+    class Recorder:
+        def pytest_collection_modifyitems(self, items: list) -> None:
+            for item in items:
+                marker = item.get_closest_marker("gpus")
+                n = gpus_needed(item.nodeid, marker.args[0] if marker else None)
+                found[item.nodeid] = estimate(item.nodeid) if n <= have else SKIPPED_S
+
+    argv = ["--collect-only", "-qq", "-p", "no:cacheprovider", "-m", "gpu",
+            "tests/gpu", "tests/connector", *select]  # fmt: skip
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        code = pytest.main(argv, plugins=[Recorder()])
+    if code not in (0, 5) or not found:
+        raise SystemExit(f"collecting the GPU tests failed ({code}):\n{log.getvalue()}")
+    return found
 
 
 def main(argv: list[str]) -> int:
@@ -75,7 +108,8 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    print("\n".join(split(collect(argv[1:]), n)[i - 1]))
+    seconds = collect(argv[1:])
+    print("\n".join(split(list(seconds), n, seconds)[i - 1]))
     return 0
 
 
