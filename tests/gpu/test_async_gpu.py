@@ -1,9 +1,17 @@
 """The ``async`` connector on one GPU: every role on GPU 0 under MPS, eager
 (its work items leave from host memory: each role stages its rows through
 it), the experts split over the FFN ranks, token-for-token against plain
-vLLM on the same GPU (16 prompts of 1-200 tokens, top-5 logprobs within
-bf16's resolution). On CPU the same topologies are checked in
-tests/e2e/test_families.py.
+vLLM on the same GPU (16 prompts of 1-200 tokens). On CPU the same
+topologies are checked in tests/e2e/test_families.py.
+
+1A1F runs in bf16 (one FFN rank runs vLLM's kernel on exactly plain vLLM's
+rows). With the experts split the FFN ranks' partial sums are added on the
+attention rank, another order of roundings: in bf16 on one H200 Qwen3-MoE
+1A2F gave 13 of 16 greedy requests identical (docs/prefill.md), so the split
+case runs in float32 (vLLM's Triton attention takes it), where the sum
+differs from plain vLLM's by float32 rounding only (as on CPU: top-5
+logprobs within 1e-4). DeepSeek-V3 runs 1A1F: vLLM's MLA backends on a GPU
+take bf16 and fp16 only, where a split cannot be exact.
 """
 
 from __future__ import annotations
@@ -16,8 +24,17 @@ from harness import assert_same_outputs, make_spec, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
-ATOL = 1e-2
-CASES = [("qwen3_moe", 1, 2), ("deepseek_v3", 1, 2), ("qwen3_moe", 1, 1)]
+#: logprob tolerance: bf16's resolution, or float32 sums in another order
+ATOL = {"bfloat16": 1e-2, "float32": 1e-4}
+CASES = [("qwen3_moe", 1, 2), ("deepseek_v3", 1, 1), ("qwen3_moe", 1, 1)]
+
+
+def _args(ffn_ranks: int) -> list[str]:
+    """bf16 with one FFN rank, float32 with the experts split."""
+    if ffn_ranks == 1:
+        return ONE_GPU_ARGS
+    i = ONE_GPU_ARGS.index("--dtype")
+    return [*ONE_GPU_ARGS[:i], "--dtype", "float32", *ONE_GPU_ARGS[i + 2 :]]
 
 
 @pytest.mark.parametrize(
@@ -31,9 +48,10 @@ def test_async_on_one_gpu_equals_plain_vllm(
     ffn_ranks: int,
     mps: None,
 ) -> None:
+    args = _args(ffn_ranks)
     spec = make_spec(
         gpu_tiny_models[arch],
-        ONE_GPU_ARGS,
+        args,
         attention_ranks=ranks,
         ffn_ranks=ffn_ranks,
         connector="async",
@@ -42,7 +60,7 @@ def test_async_on_one_gpu_equals_plain_vllm(
     )
     afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path)
     print(f"{arch} {ranks}A{ffn_ranks}F async: {same_count(afd_out, plain_out)}/16")
-    assert_same_outputs(afd_out, plain_out, ATOL)
+    assert_same_outputs(afd_out, plain_out, ATOL[args[args.index("--dtype") + 1]])
     assert ffn[("afd_steps", "ffn", "0")] > 0
 
 
