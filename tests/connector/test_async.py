@@ -387,3 +387,141 @@ def test_an_attention_rank_that_failed_says_so_to_the_ffn_ranks():
         "rank 0 to layer 1 (hung, stopped or overloaded)"
     ]
     ffn.close()
+
+
+def test_a_lost_ffn_rank_names_itself_and_the_session_reforms_with_its_successor():
+    """What the attention rank's FFN link does (``worker.ffn_link``): the
+    watch names the lost rank, the attention rank leaves with a ``rejoin:``
+    SHUTDOWN, the surviving FFN rank reads it as a re-forming session (not a
+    stop), and all of them, the lost rank's successor too, rendezvous again
+    on the same port and exchange exactly."""
+    from vllm_afd.connector.protocol import REJOIN
+
+    port = free_port()
+    proc = mp.get_context("forkserver").Process(target=_ffn_process, args=(port, 1, 0))
+    proc.start()
+    ffn0 = _endpoint("ffn", 1, 2, port, 0)
+    starter = threading.Thread(target=ffn0.start)
+    starter.start()
+    att = _endpoint("attention", 1, 2, port, 0)
+    att.start()
+    starter.join(30)
+    lost, said = threading.Event(), []
+    att.watch_peers(lambda why, rank: (said.append((why, rank)), lost.set()))
+    try:
+        assert lost.wait(10.0), "the watch did not report the killed rank"
+        [(why, rank)] = said
+        assert rank == 1 and why.startswith("ffn rank 1 closed its connection")
+        att.close(f"{REJOIN}attention rank 0 lost ffn rank 1: {why}")
+        assert ffn0.next_item() is None
+        assert ffn0.rejoining() == f"attention rank 0 lost ffn rank 1: {why}"
+        assert ffn0.failed_peers() == []  # no stop: the session re-forms
+    finally:
+        proc.join(10)
+        ffn0.close()
+    ffns = [_endpoint("ffn", 1, 2, port, r) for r in range(2)]
+    served = [
+        threading.Thread(target=_serve, args=(ep, 1, []), daemon=True) for ep in ffns
+    ]
+    for t in served:
+        t.start()
+    again = _endpoint("attention", 1, 2, port, 0)
+    assert _drive(again, 0, 1, False) < 1e-4  # closes with a plain SHUTDOWN
+    for t in served:
+        t.join(10)
+    assert all(ep.rejoining() is None for ep in ffns)  # this time they stop
+
+
+def test_a_reply_to_an_attention_rank_that_left_is_dropped_not_raised():
+    """An FFN rank replying while its attention rank leaves does not fail:
+    the receiving thread says what the leaving means."""
+    att, (ffn,) = _pair()
+    hidden, routing = _inputs(0, 0, 1, 4)
+    with pytest.raises(AFDTimeoutError):
+        att.exchange(1, hidden, routing, 1, False, 0.2)
+    item = ffn.next_item()
+    assert item is not None
+    att.close()
+    for _ in range(3):  # a full socket buffer or EPIPE: dropped either way
+        ffn.reply(item, torch.zeros(4, H))
+    assert ffn.next_item() is None
+    ffn.close()
+
+
+def _served_session(port: int, f: int = 2):
+    """Started FFN ranks, each served by a real ``AsyncFFNLoop``, and a
+    started attention rank (1A``f``F)."""
+    from vllm_afd.worker.async_loop import AsyncFFNLoop
+
+    ffns = [_endpoint("ffn", 1, f, port, r) for r in range(f)]
+    starters = [threading.Thread(target=ep.start) for ep in ffns]
+    for t in starters:
+        t.start()
+    att = _endpoint("attention", 1, f, port, 0)
+    att.start()
+    for t in starters:
+        t.join(30)
+    loops = [
+        AsyncFFNLoop(ep, lambda layer, b: _expert_sum(b.hidden, b.routing))
+        for ep in ffns
+    ]
+    for loop in loops:
+        loop.start()
+    return att, loops
+
+
+def _async_step(exchange, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One step through every layer: (want, got) per layer."""
+    exchange.failure = None
+    exchange.begin_step(8)
+    out = []
+    for layer in LAYERS:
+        hidden, routing = _inputs(0, step, layer, 8)
+        got = exchange.exchange(hidden, layer, routing, 1)
+        out.append((_expert_sum(hidden, routing), got))
+    return out
+
+
+def test_the_attention_link_serves_zeros_names_the_lost_rank_and_rejoins(monkeypatch):
+    """``async`` under the attention rank's FFN link, as the worker runs it:
+    FFN rank 1 stops, the step in flight fails (zeros, ``failure`` set), the
+    link goes down naming rank 1, and its reconnect (every FFN rank back at
+    the same port) brings the exact exchange back."""
+    from vllm_afd.models.async_exchange import AsyncAttentionExchange
+    from vllm_afd.worker import ffn_link
+    from vllm_afd.worker.ffn_link import FFNLink
+
+    monkeypatch.setattr(ffn_link, "RETRY_S", 0.01)
+    port = free_port()
+    att, loops = _served_session(port)
+    everything = list(loops)
+
+    def reconnect():
+        again, new_loops = _served_session(port)
+        everything.extend(new_loops)
+        return again
+
+    states = []
+    link = FFNLink(att, reconnect, attention_rank=0, ffn_rank=0, publish=states.append)
+    exchange = AsyncAttentionExchange(att, False, link=link)
+    try:
+        for want, got in _async_step(exchange, 0):
+            assert torch.allclose(got, want, atol=1e-5)
+        loops[1].stop()  # FFN rank 1 shuts down
+        results = _async_step(exchange, 1)
+        assert exchange.failure is not None and "ffn rank 1" in exchange.failure
+        assert all(torch.count_nonzero(got) == 0 for _, got in results)
+        deadline = time.monotonic() + 30
+        while not link.state.up:
+            assert time.monotonic() < deadline, "the link never rejoined"
+            time.sleep(0.01)
+        down = states[1]
+        assert (down.up, down.ffn_rank) == (False, 1)
+        assert link.state.rejoins == 1 and link.connector is not att
+        for want, got in _async_step(exchange, 2):
+            assert torch.allclose(got, want, atol=1e-5)
+        assert exchange.failure is None
+    finally:
+        link.close()
+        for loop in everything:
+            loop.stop()

@@ -1133,10 +1133,12 @@ def kill_ffn_mid_stream(
     max_tokens: int = 400,
     sig: signal.Signals = signal.SIGKILL,
     heartbeat_s: float = 0.0,
+    rank: int = 0,
 ) -> dict[str, float]:
-    """Send ``sig`` to the FFN server after the first token of a long stream:
-    the stream ends with an error and ``/health`` answers 503 naming ``ffn
-    rank 0``, within ``timeout_s`` of a SIGKILL (its sockets close). A
+    """Send ``sig`` to FFN rank ``rank``'s server after the first token of a
+    long stream: the stream ends with an error and ``/health`` answers 503
+    naming ``ffn rank <rank>``, within ``timeout_s`` of a SIGKILL (its
+    sockets close). A
     SIGSTOP keeps them open: a step's wait ends once the FFN rank's last
     heartbeat, sent before the signal, is ``timeout_s`` old, also a wait begun
     late in that silence (data parallelism: the ranks step together); its
@@ -1158,13 +1160,14 @@ def kill_ffn_mid_stream(
         stream.join(5)
         pytest.fail(f"no streamed token before the kill: {outcome}")
     killed, killed_wall = time.monotonic(), time.time()
-    os.killpg(afd.ffn.proc.pid, sig)
+    os.killpg(afd.ffns[rank].proc.pid, sig)
     bound = timeout_s if sig == signal.SIGKILL else timeout_s + heartbeat_s
     stream.join(bound + DELIVERY_S + 30)
     assert not stream.is_alive(), "the in-flight stream hung"
     last = outcome["events"][-1]
     assert "error" in last and len(outcome["events"]) < max_tokens, last
-    wait_for(lambda: health_down(url, "ffn rank 0"), bound, "/health 503 naming it")
+    named = f"ffn rank {rank} "
+    wait_for(lambda: health_down(url, named), bound, "/health 503 naming it")
     figures = {"/health 503": time.monotonic() - killed}
     status = json.loads(http_get(f"{url}/afd/status")[1])
     lost = [r["since"] for r in status["ranks"] if not r["up"]]

@@ -67,7 +67,7 @@ from vllm_afd.connector.async_wire import (
     send_all,
 )
 from vllm_afd.connector.payloads import ConnectorStats, Routing
-from vllm_afd.connector.protocol import PROTOCOL_VERSION
+from vllm_afd.connector.protocol import PROTOCOL_VERSION, REJOIN
 from vllm_afd.errors import (
     AFDConfigError,
     AFDConnectorError,
@@ -274,6 +274,8 @@ class AsyncAttention(AsyncEndpoint):
         super().__init__(*args, **kwargs)
         self._owners = self.slices.owners()
         self._failure: str | None = None
+        #: the FFN rank whose failure ended this endpoint (None: none yet)
+        self.lost_rank: int | None = None
         # held by an exchange for its whole length: the watch reads the
         # connections only between exchanges
         self._io = threading.Lock()
@@ -353,7 +355,11 @@ class AsyncAttention(AsyncEndpoint):
                 tokens=h_f.shape[0], cols=h_f.shape[1], top_k=top_k,
                 counts=tuple(int(c) for c in counts), nbytes=nbytes,
             )  # fmt: skip
-            link.send([head, *body], deadline)
+            try:
+                link.send([head, *body], deadline)
+            except AFDConnectorError:
+                self.lost_rank = f
+                raise
             self._a2f += nbytes
             sent.append((f, rows, link.seq))
         return sent
@@ -373,6 +379,7 @@ class AsyncAttention(AsyncEndpoint):
             while len(got) < len(expect):
                 waiting = [f for f in expect if f not in got]
                 for f in waiting:
+                    self.lost_rank = f  # until its reply is read
                     for frame in self.links[f].reader.read():
                         got[f] = self._reply_of(f, frame, layer, expect[f])
                     if f not in got and self.links[f].reader.eof:
@@ -384,6 +391,7 @@ class AsyncAttention(AsyncEndpoint):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self.lost_rank = next(f for f in expect if f not in got)
                     names = ", ".join(f"ffn rank {f}" for f in expect if f not in got)
                     raise AFDTimeoutError(
                         f"timed out after {timeout_s:g}s waiting for the reply of "
@@ -393,6 +401,7 @@ class AsyncAttention(AsyncEndpoint):
                 select.select(socks, [], [], remaining)
         finally:
             self._wait_s += time.monotonic() - start
+        self.lost_rank = None
         return got
 
     def _reply_of(self, f: int, frame: Frame, layer: int, seq: int) -> torch.Tensor:
@@ -416,12 +425,28 @@ class AsyncAttention(AsyncEndpoint):
             reason = f"{FAILED}attention rank {self.role_rank}: {self._failure}"
         super().close(reason)
 
-    def watch(self, on_lost: Callable[[str], None], period_s: float = 0.5) -> None:
+    def watch_peers(self, on_lost: Callable[..., None]) -> None:
+        """:meth:`watch` for an FFN link (``worker.ffn_link``):
+        ``on_lost(why, ffn_rank)`` with the rank that went; the link closes
+        this endpoint itself, telling the FFN ranks to rendezvous again."""
+        self.watch(lambda why: on_lost(why, self.lost_rank), close_first=False)
+
+    def resume(self) -> None:
+        """Nothing to do: a started endpoint serves at once (an FFN link
+        calls it before the first exchange of a rejoined endpoint)."""
+
+    def watch(
+        self,
+        on_lost: Callable[[str], None],
+        period_s: float = 0.5,
+        close_first: bool = True,
+    ) -> None:
         """Call ``on_lost(why)`` once, from a thread, when an FFN rank's
         connection speaks between exchanges: its SHUTDOWN, or EOF (it exited
         or was killed). An exchange in flight reads its connections itself
-        (the watch waits for it). Before ``on_lost`` the endpoint closes,
-        telling the other FFN ranks why (a ``failed:`` SHUTDOWN)."""
+        (the watch waits for it). With ``close_first``, before ``on_lost``
+        the endpoint closes, telling the other FFN ranks why (a ``failed:``
+        SHUTDOWN)."""
 
         def run() -> None:
             while not self._closed:
@@ -441,7 +466,8 @@ class AsyncAttention(AsyncEndpoint):
                     self._io.release()
                 if why is not None and not self._closed:
                     self._failure = self._failure or why
-                    self.close()  # the other FFN ranks hear why (FAILED)
+                    if close_first:
+                        self.close()  # the other FFN ranks hear why (FAILED)
                     on_lost(why)
                     return
 
@@ -453,6 +479,7 @@ class AsyncAttention(AsyncEndpoint):
         for f, link in enumerate(self.links):
             if link.sock not in ready:
                 continue
+            self.lost_rank = f  # unless it said nothing that ends the session
             try:
                 frames = link.reader.read()
             except AFDProtocolError as e:
@@ -463,6 +490,7 @@ class AsyncAttention(AsyncEndpoint):
                 return f"ffn rank {f} sent {frame.kind.name} between exchanges"
             if link.reader.eof:
                 return f"ffn rank {f} closed its connection (it exited or was killed)"
+        self.lost_rank = None
         return None
 
 
@@ -568,6 +596,15 @@ class AsyncFFN(AsyncEndpoint):
             a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts
         )
 
+    def rejoining(self) -> str | None:
+        """Once every attention rank shut down: why the session re-forms
+        (an attention rank lost an FFN rank and left to rendezvous again:
+        its ``rejoin:`` SHUTDOWN), or None when they stopped for good."""
+        for reason in self.shut_down.values():
+            if reason.startswith(REJOIN):
+                return reason.removeprefix(REJOIN)
+        return None
+
     def failed_peers(self) -> list[str]:
         """``attention rank a: why`` of each attention rank that shut down
         because its exchange failed."""
@@ -596,11 +633,10 @@ class AsyncFFN(AsyncEndpoint):
 
     def reply(self, item: WorkItem, out: torch.Tensor) -> None:
         """Send ``out [T, C]`` back to the item's attention rank (at most
-        ``timeout_s`` for it to read).
-
-        Raises:
-            AFDPeerError: the attention rank is gone or reads nothing.
-        """
+        ``timeout_s`` for it to read). A reply that cannot be sent (the rank
+        is gone or reads nothing) is dropped with a warning and counted as an
+        error: what the loss means is the receiving thread's to say
+        (:meth:`next_item`)."""
         body = payload_bytes(out)
         nbytes = sum(len(b) for b in body)
         head = encode_header(
@@ -610,9 +646,18 @@ class AsyncFFN(AsyncEndpoint):
         deadline = time.monotonic() + self.timeout_s
         try:
             self.links[item.source].send([head, *body], deadline)
-        except AFDConnectorError:
+        except AFDConnectorError as e:
+            # The receiving thread decides what the loss means: the rank's
+            # SHUTDOWN (it left to rendezvous again, or stopped) or its EOF
+            # (it died). The reply is dropped; the next item comes from the
+            # other ranks, or the end from that thread.
             self._errors += 1
-            raise
+            logger.warning(
+                "AFD async: ffn rank %d could not reply to attention rank %d "
+                "(layer %d item %d): %s",
+                self.role_rank, item.source, item.layer, item.seq, e,
+            )  # fmt: skip
+            return
         self._f2a += nbytes
         self._steps += 1
 

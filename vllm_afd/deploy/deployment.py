@@ -197,13 +197,6 @@ class Deployment:
             self._end_if_stopped()  # its word may have come as it exited
             if now - proc.started_at >= STABLE_S:
                 proc.restarts = 0
-            if self.spec.connector == "async":
-                self.stop()
-                raise LaunchError(
-                    f"{proc.exited(code)}; an FFN rank of the async connector "
-                    "cannot rejoin (its experts are nowhere else), so every "
-                    "role stops"
-                )
             if proc.restarts >= self.spec.ffn_restarts:
                 self.stop()
                 why = (

@@ -14,25 +14,40 @@ On a GPU the rows and their routing are copied to host memory before the
 work items leave, and the combined output back (the frames travel over TCP;
 such a forward cannot be captured in a CUDA graph, which the config refuses).
 
-A forward that cannot finish its exchanges (an FFN rank exited, shut down,
-or did not answer in ``timeout_s``) raises: the engine stops, its in-flight
-requests fail and ``vllm-afd launch`` stops the deployment naming the
-cause. (The synchronous connector's rejoin of a lost FFN rank is not
-implemented for ``async``.)
+Losing an FFN rank (it exited, shut down, or did not answer in
+``timeout_s``) is the synchronous connector's story (``worker.ffn_link``):
+the exchange records the failure, tells the link, and serves this and every
+later layer zeros without exchanging; the runner then fails the step's
+requests, and while the link is down (503 naming the FFN rank) steps do the
+same. The link closes the endpoint telling every FFN rank to rendezvous
+again, and opens a new one once the lost rank is back (restarted by its
+launcher): the whole session re-forms, since its experts are nowhere else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm_afd.connector.async_ep import AsyncAttention
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.connector.protocol import ExecMode, StepPlan
-from vllm_afd.errors import AFDConnectorError
+from vllm_afd.errors import AFDConnectorError, AFDError
 from vllm_afd.models.exchange import AttentionExchange
+
+
+class AsyncLink(Protocol):
+    """What the exchange needs of an FFN link over an async endpoint
+    (``worker.ffn_link.FFNLink[AsyncAttention]``)."""
+
+    @property
+    def connector(self) -> AsyncAttention | None: ...
+
+    def unavailable_because(self) -> str: ...
+
+    def lost(self, why: str, ffn_rank: int | None = None) -> None: ...
 
 
 class AsyncAttentionExchange(AttentionExchange[Any]):
@@ -51,9 +66,11 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
         endpoint: AsyncAttention | None,
         shared_experts: bool,
         on_step: Callable[[StepPlan], None] | None = None,
+        link: AsyncLink | None = None,
     ) -> None:
         super().__init__(None, on_step=on_step)
-        self.endpoint = endpoint
+        self.endpoint = endpoint if link is None else link.connector
+        self.async_link = link
         self.is_endpoint = endpoint is not None
         self.shared_experts = shared_experts
         self._mode = ExecMode.WARMUP
@@ -74,6 +91,11 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
             self._mode = mode
             if self.on_step is not None:
                 self.on_step(StepPlan(self.step_id, mode, ubatch_tokens))
+            link = self.async_link
+            if link is not None:
+                self.endpoint = link.connector
+                if self.endpoint is None and self.failure is None:
+                    self.failure = link.unavailable_because()
             if self.endpoint is not None:
                 self.endpoint.note_step()
 
@@ -90,15 +112,32 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
                 "routed on attention only (dense layers stay on attention)"
             )
         endpoint = self.endpoint
-        assert endpoint is not None  # one TP rank per attention rank
+        if endpoint is None or self.failure is not None:
+            # the FFN ranks are away: finite zeros, the step's tokens are
+            # thrown away (the runner fails its requests)
+            assert self.async_link is not None  # without a link it raised
+            return hidden.new_zeros(hidden.shape[0], parts * hidden.shape[1])
         slow = self._mode is not ExecMode.EAGER or not self._served
         timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
         device = hidden.device
         if device.type != "cpu":
             # frames leave from host memory: one copy each way per layer
             hidden, routing = hidden.cpu(), routing.to("cpu")
-        out = endpoint.exchange(
-            layer_idx, hidden.contiguous(), routing, parts, self.shared_experts,
-            timeout_s,
-        )  # fmt: skip
+        try:
+            out = endpoint.exchange(
+                layer_idx, hidden.contiguous(), routing, parts, self.shared_experts,
+                timeout_s,
+            )  # fmt: skip
+        except AFDError as e:
+            link = self.async_link
+            if link is None:
+                raise
+            if self.failure is None:
+                self.failure = str(e)
+            self.endpoint = None
+            link.lost(str(e), endpoint.lost_rank)
+            return torch.zeros(
+                hidden.shape[0], parts * hidden.shape[1], dtype=hidden.dtype,
+                device=device,
+            )  # fmt: skip
         return out.to(device)

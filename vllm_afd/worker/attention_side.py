@@ -77,7 +77,9 @@ def stop_engine_on_lost_peer(message: str) -> None:
 
 
 def checked_output(
-    output: Any, connector: AFDConnector, link: FFNLink[AFDConnector] | None = None
+    output: Any,
+    connector: AFDConnector,
+    link: FFNLink[AFDConnector] | FFNLink[AsyncAttention] | None = None,
 ) -> Any:
     """``output`` of a CUDA step, which reaches the scheduler only after the
     connector's device-side checks of that step passed (cuda_ipc: a timed-out,
@@ -110,19 +112,6 @@ def checked_output(
 
     output.get_output = get_checked
     return output
-
-
-def stop_engine_on_lost_ffn(message: str) -> None:
-    """``async``: end this engine process at once when an FFN rank is gone
-    between steps (it holds experts no other rank has, and does not rejoin);
-    vLLM then fails the in-flight requests and stops the server."""
-    logger.error(
-        "AFD attention role: %s; on the async connector its experts are "
-        "nowhere else, so this engine stops now and in-flight requests fail",
-        message,
-    )
-    logging.shutdown()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 _GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager"
@@ -178,7 +167,7 @@ class AttentionSideMixin(AFDRunnerMixin):
     """Opens the connector after load_model and installs the exchange the
     model's proxies call. Mixed in before a native model runner."""
 
-    afd_link: FFNLink[AFDConnector] | None = None
+    afd_link: FFNLink[AFDConnector] | FFNLink[AsyncAttention] | None = None
     afd_exchange: AttentionExchange[AFDConnector] | None = None
 
     def afd_start(self) -> None:
@@ -217,20 +206,23 @@ class AttentionSideMixin(AFDRunnerMixin):
         install_exchange(self.afd_exchange)
 
     def _afd_start_async(self, endpoint: Endpoint) -> None:
-        """The ``async`` connector: no plans, no link (see
-        ``models.async_exchange``)."""
+        """The ``async`` connector: no plans; a link over the endpoint (see
+        ``models.async_exchange``) that re-forms the session when an FFN rank
+        is lost."""
         work = endpoint.work
         assert isinstance(work, AsyncAttention)  # attention ranks have TP 1
-        # No rejoin on async: a lost FFN rank ends this engine at once, so
-        # nothing is accepted that could not be served.
-        work.watch(stop_engine_on_lost_ffn)
-        self.afd_metrics = endpoint_publisher("attention", endpoint.role_rank, work)
+        link = open_async_link(self.vllm_config, endpoint, work)
+        self.afd_link = link
+        self.afd_metrics = endpoint_publisher(
+            "attention", endpoint.role_rank, link, link=link
+        )
         self.afd_profiler = StepProfiler(
             "attention", endpoint.role_rank, skip=envs.profile_skip()
         )
         self.afd_exchange = AsyncAttentionExchange(
-            work, endpoint.split.shared_experts, on_step=self.afd_profiler.step
-        )
+            work, endpoint.split.shared_experts, on_step=self.afd_profiler.step,
+            link=link,
+        )  # fmt: skip
         install_exchange(self.afd_exchange)
 
     # A step that ran without its FFN rank fails its requests, and only them:
@@ -283,6 +275,30 @@ class AttentionSideMixin(AFDRunnerMixin):
             self.afd_link = None
             self.afd_endpoint = None  # its connector was the link's
         super().afd_close()
+
+
+def open_async_link(
+    vllm_config: Any, endpoint: Endpoint, first: AsyncAttention
+) -> FFNLink[AsyncAttention]:
+    """The FFN link of this attention rank over its started ``async``
+    endpoint: a lost FFN rank takes the link down (503 naming it) and a new
+    endpoint is opened once every FFN rank is back. No vote between
+    data-parallel ranks: the FFN ranks take work items from any attention
+    rank, so each goes live on its own."""
+    afd, rank = endpoint.afd, endpoint.role_rank
+    server_pid = envs.server_pid()
+
+    def reconnect() -> AsyncAttention:
+        work = factory.create_async_endpoint(afd, rank, endpoint.fingerprint)
+        assert isinstance(work, AsyncAttention)
+        work.start()
+        return work
+
+    def publish(state: LinkState) -> None:
+        if server_pid is not None:
+            ffn_status.publish(server_pid, state)
+
+    return FFNLink(first, reconnect, attention_rank=rank, ffn_rank=0, publish=publish)
 
 
 def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink[AFDConnector]:

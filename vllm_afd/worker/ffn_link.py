@@ -175,17 +175,21 @@ class FFNLink(Generic[C]):
         with self._steps:
             yield
 
-    def lost(self, why: str) -> None:
+    def lost(self, why: str, ffn_rank: int | None = None) -> None:
         """The FFN rank is gone (``why`` names it): go down, then rejoin.
-        Idempotent while down; nothing happens after :meth:`close`."""
+        ``ffn_rank``: the rank lost, where this link's connector talks to
+        several (``async``); the state names it from then on. Idempotent
+        while down; nothing happens after :meth:`close`."""
         with self._lock:
             if self._closed or not self.state.up:
                 return
             s = self.state
+            rank = s.ffn_rank if ffn_rank is None else ffn_rank
             self.state = LinkState(
-                s.attention_rank, s.ffn_rank, False, why, time.time(),
+                s.attention_rank, rank, False, why, time.time(),
                 s.losses + 1, s.rejoins,
             )  # fmt: skip
+            s = self.state
             self._thread = threading.Thread(
                 target=self._rejoin, name="afd-ffn-rejoin", daemon=True
             )

@@ -125,13 +125,25 @@ class FFNSideMixin(AFDRunnerMixin):
         loop.start()
 
     def _afd_async_loop_exited(self, error: BaseException | None) -> None:
-        """Every attention rank shut down (the deployment stops) or one was
-        lost (an error): this FFN rank's server stops either way."""
+        """Every attention rank shut down: to rendezvous again (one lost an
+        FFN rank: this rank re-forms the session with them), or for good
+        (the deployment stops). An attention rank lost (an error): this FFN
+        rank's server stops."""
         loop = self.afd_async_loop
         if loop is not None and loop.stopping:
             return
         endpoint = self.afd_endpoint
         work = endpoint.work if endpoint is not None else None
+        again = work.rejoining() if isinstance(work, AsyncFFN) else None
+        if error is None and again is not None:
+            # Off the loop's thread: the rendezvous waits for the others.
+            threading.Thread(
+                target=self._afd_async_again,
+                args=(again,),
+                name="afd-ffn-rejoin",
+                daemon=True,
+            ).start()
+            return
         failed = work.failed_peers() if isinstance(work, AsyncFFN) else []
         if error is None and not failed and envs.keep_ffn_alive():
             return
@@ -143,6 +155,33 @@ class FFNSideMixin(AFDRunnerMixin):
         if endpoint is not None:
             endpoint.close(f"ffn rank {endpoint.role_rank} stops: {why}")
         self._afd_stop_server(why)
+
+    def _afd_async_again(self, why: str) -> None:
+        """The attention ranks left the session to rendezvous again
+        (``why``): close this endpoint, open a new one (waits up to
+        ``connect_timeout_s`` for every rank, the restarted one too) and
+        serve it; the server stops when that fails."""
+        old = self.afd_endpoint
+        assert old is not None
+        logger.warning(
+            "AFD ffn rank %d: %s; the deployment re-forms, rendezvous again at "
+            "%s:%d",
+            old.role_rank, why, old.afd.host, old.afd.port,
+        )  # fmt: skip
+        if self.afd_metrics is not None:
+            self.afd_metrics.stop()
+            self.afd_metrics = None
+        old.close(f"{REJOIN}ffn rank {old.role_rank} re-forms the deployment: {why}")
+        try:
+            self.afd_endpoint = open_endpoint(
+                self.vllm_config, old.afd, old.split, self.device
+            )
+        except AFDError as e:
+            self.afd_endpoint = None
+            self._afd_stop_server(f"the rendezvous again failed: {e}")
+            return
+        logger.info("AFD ffn rank %d: serving again", old.role_rank)
+        self._afd_serve_async(self.afd_endpoint)
 
     def _afd_loop_connector(self) -> FFNConnector:
         """What the FFN loop talks to: the endpoint's connector, or with
