@@ -313,9 +313,9 @@ def test_frames_refuse_another_protocol():
     b.close()
 
 
-def _pair(f: int = 1):
+def _pair(f: int = 1, port: int | None = None):
     """A started attention rank and FFN ranks (1A``f``F), no items yet."""
-    port = free_port()
+    port = free_port() if port is None else port
     ffns = [_endpoint("ffn", 1, f, port, r) for r in range(f)]
     att = _endpoint("attention", 1, f, port, 0)
     starters = [threading.Thread(target=ep.start) for ep in ffns]
@@ -329,7 +329,7 @@ def _pair(f: int = 1):
 
 def _watched(att) -> tuple[threading.Event, list[str]]:
     lost, why = threading.Event(), []
-    att.watch(lambda w: (why.append(w), lost.set()), period_s=0.1)
+    att.watch_peers(lambda w, rank: (why.append(w), lost.set()), period_s=0.1)
     return lost, why
 
 
@@ -351,8 +351,9 @@ def _serve_one(ffn) -> None:
     ffn.reply(item, _expert_sum(item.hidden, item.routing))
 
 
-def test_the_watch_reports_a_killed_idle_ffn_rank():
-    port = free_port()
+def _with_ffn_rank_1_killed_idle(port: int):
+    """1A2F at ``port`` whose FFN rank 1 (a process) dies right after the
+    rendezvous: (that process, started FFN rank 0, started attention rank)."""
     proc = mp.get_context("forkserver").Process(target=_ffn_process, args=(port, 1, 0))
     proc.start()
     ffn0 = _endpoint("ffn", 1, 2, port, 0)
@@ -361,10 +362,17 @@ def test_the_watch_reports_a_killed_idle_ffn_rank():
     att = _endpoint("attention", 1, 2, port, 0)
     att.start()
     starter.join(30)
+    return proc, ffn0, att
+
+
+def test_the_watch_reports_a_killed_idle_ffn_rank():
+    port = free_port()
+    proc, ffn0, att = _with_ffn_rank_1_killed_idle(port)
     lost, why = _watched(att)
     try:
         assert lost.wait(10.0), "the watch did not report the killed rank"
         assert why == ["ffn rank 1 closed its connection (it exited or was killed)"]
+        att.close()
         # FFN rank 0 hears why the attention rank ended
         assert ffn0.next_item() is None
         assert ffn0.failed_peers() == [f"attention rank 0: {why[0]}"]
@@ -398,14 +406,7 @@ def test_a_lost_ffn_rank_names_itself_and_the_session_reforms_with_its_successor
     from vllm_afd.connector.protocol import REJOIN
 
     port = free_port()
-    proc = mp.get_context("forkserver").Process(target=_ffn_process, args=(port, 1, 0))
-    proc.start()
-    ffn0 = _endpoint("ffn", 1, 2, port, 0)
-    starter = threading.Thread(target=ffn0.start)
-    starter.start()
-    att = _endpoint("attention", 1, 2, port, 0)
-    att.start()
-    starter.join(30)
+    proc, ffn0, att = _with_ffn_rank_1_killed_idle(port)
     lost, said = threading.Event(), []
     att.watch_peers(lambda why, rank: (said.append((why, rank)), lost.set()))
     try:
@@ -453,14 +454,7 @@ def _served_session(port: int, f: int = 2):
     started attention rank (1A``f``F)."""
     from vllm_afd.worker.async_loop import AsyncFFNLoop
 
-    ffns = [_endpoint("ffn", 1, f, port, r) for r in range(f)]
-    starters = [threading.Thread(target=ep.start) for ep in ffns]
-    for t in starters:
-        t.start()
-    att = _endpoint("attention", 1, f, port, 0)
-    att.start()
-    for t in starters:
-        t.join(30)
+    att, ffns = _pair(f, port)
     loops = [
         AsyncFFNLoop(ep, lambda layer, b: _expert_sum(b.hidden, b.routing))
         for ep in ffns

@@ -425,28 +425,17 @@ class AsyncAttention(AsyncEndpoint):
             reason = f"{FAILED}attention rank {self.role_rank}: {self._failure}"
         super().close(reason)
 
-    def watch_peers(self, on_lost: Callable[..., None]) -> None:
-        """:meth:`watch` for an FFN link (``worker.ffn_link``):
-        ``on_lost(why, ffn_rank)`` with the rank that went; the link closes
-        this endpoint itself, telling the FFN ranks to rendezvous again."""
-        self.watch(lambda why: on_lost(why, self.lost_rank), close_first=False)
-
     def resume(self) -> None:
         """Nothing to do: a started endpoint serves at once (an FFN link
         calls it before the first exchange of a rejoined endpoint)."""
 
-    def watch(
-        self,
-        on_lost: Callable[[str], None],
-        period_s: float = 0.5,
-        close_first: bool = True,
-    ) -> None:
-        """Call ``on_lost(why)`` once, from a thread, when an FFN rank's
-        connection speaks between exchanges: its SHUTDOWN, or EOF (it exited
-        or was killed). An exchange in flight reads its connections itself
-        (the watch waits for it). With ``close_first``, before ``on_lost``
-        the endpoint closes, telling the other FFN ranks why (a ``failed:``
-        SHUTDOWN)."""
+    def watch_peers(self, on_lost: Callable[..., None], period_s: float = 0.5) -> None:
+        """Call ``on_lost(why, ffn_rank)`` once, from a thread, when an FFN
+        rank's connection speaks between exchanges: its SHUTDOWN, or EOF (it
+        exited or was killed). An exchange in flight reads its connections
+        itself (the watch waits for it). Closing this endpoint is the
+        caller's: an FFN link closes it telling the FFN ranks to rendezvous
+        again, a plain ``close()`` tells them why it failed."""
 
         def run() -> None:
             while not self._closed:
@@ -466,9 +455,7 @@ class AsyncAttention(AsyncEndpoint):
                     self._io.release()
                 if why is not None and not self._closed:
                     self._failure = self._failure or why
-                    if close_first:
-                        self.close()  # the other FFN ranks hear why (FAILED)
-                    on_lost(why)
+                    on_lost(why, self.lost_rank)
                     return
 
         threading.Thread(target=run, name="afd-async-watch", daemon=True).start()

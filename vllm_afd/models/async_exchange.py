@@ -113,19 +113,17 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
             )
         endpoint = self.endpoint
         if endpoint is None or self.failure is not None:
-            # the FFN ranks are away: finite zeros, the step's tokens are
-            # thrown away (the runner fails its requests)
             assert self.async_link is not None  # without a link it raised
-            return hidden.new_zeros(hidden.shape[0], parts * hidden.shape[1])
+            return _away(hidden, parts)
         slow = self._mode is not ExecMode.EAGER or not self._served
         timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
-        device = hidden.device
+        rows, device = hidden, hidden.device
         if device.type != "cpu":
             # frames leave from host memory: one copy each way per layer
-            hidden, routing = hidden.cpu(), routing.to("cpu")
+            rows, routing = hidden.cpu(), routing.to("cpu")
         try:
             out = endpoint.exchange(
-                layer_idx, hidden.contiguous(), routing, parts, self.shared_experts,
+                layer_idx, rows.contiguous(), routing, parts, self.shared_experts,
                 timeout_s,
             )  # fmt: skip
         except AFDError as e:
@@ -136,8 +134,11 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
                 self.failure = str(e)
             self.endpoint = None
             link.lost(str(e), endpoint.lost_rank)
-            return torch.zeros(
-                hidden.shape[0], parts * hidden.shape[1], dtype=hidden.dtype,
-                device=device,
-            )  # fmt: skip
+            return _away(hidden, parts)
         return out.to(device)
+
+
+def _away(hidden: torch.Tensor, parts: int) -> torch.Tensor:
+    """The output of an exchange without its FFN ranks: finite zeros (the
+    step's tokens are thrown away, the runner fails its requests)."""
+    return hidden.new_zeros(hidden.shape[0], parts * hidden.shape[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed import get_tp_group
@@ -211,7 +212,7 @@ class AttentionSideMixin(AFDRunnerMixin):
         is lost."""
         work = endpoint.work
         assert isinstance(work, AsyncAttention)  # attention ranks have TP 1
-        link = open_async_link(self.vllm_config, endpoint, work)
+        link = open_async_link(endpoint, work)
         self.afd_link = link
         self.afd_metrics = endpoint_publisher(
             "attention", endpoint.role_rank, link, link=link
@@ -278,7 +279,7 @@ class AttentionSideMixin(AFDRunnerMixin):
 
 
 def open_async_link(
-    vllm_config: Any, endpoint: Endpoint, first: AsyncAttention
+    endpoint: Endpoint, first: AsyncAttention
 ) -> FFNLink[AsyncAttention]:
     """The FFN link of this attention rank over its started ``async``
     endpoint: a lost FFN rank takes the link down (503 naming it) and a new
@@ -286,7 +287,6 @@ def open_async_link(
     data-parallel ranks: the FFN ranks take work items from any attention
     rank, so each goes live on its own."""
     afd, rank = endpoint.afd, endpoint.role_rank
-    server_pid = envs.server_pid()
 
     def reconnect() -> AsyncAttention:
         work = factory.create_async_endpoint(afd, rank, endpoint.fingerprint)
@@ -294,11 +294,21 @@ def open_async_link(
         work.start()
         return work
 
+    return FFNLink(
+        first, reconnect, attention_rank=rank, ffn_rank=0, publish=_link_publisher()
+    )
+
+
+def _link_publisher() -> Callable[[LinkState], None]:
+    """Publishes a link's states for this server's API (``serving.ffn_status``);
+    does nothing outside a server."""
+    server_pid = envs.server_pid()
+
     def publish(state: LinkState) -> None:
         if server_pid is not None:
             ffn_status.publish(server_pid, state)
 
-    return FFNLink(first, reconnect, attention_rank=rank, ffn_rank=0, publish=publish)
+    return publish
 
 
 def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink[AFDConnector]:
@@ -306,7 +316,6 @@ def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink[AFDConnector]:
     publishes its state for this server's API (``serving.ffn_status``)."""
     afd, rank, first = endpoint.afd, endpoint.role_rank, endpoint.connector
     assert first is not None  # only an endpoint with a connector opens a link
-    server_pid = envs.server_pid()
 
     def reconnect() -> AFDConnector:
         connector = factory.create_connector(
@@ -314,10 +323,6 @@ def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink[AFDConnector]:
         )  # fmt: skip
         connector.start()
         return connector
-
-    def publish(state: LinkState) -> None:
-        if server_pid is not None:
-            ffn_status.publish(server_pid, state)
 
     # Data-parallel ranks go live together after a rejoin: they vote in
     # vLLM's per-forward DP coordination (``compat.dp_vote``).
@@ -327,7 +332,7 @@ def open_link(vllm_config: Any, endpoint: Endpoint) -> FFNLink[AFDConnector]:
         reconnect,
         attention_rank=rank,
         ffn_rank=endpoint.topology.ffn_peer(rank),
-        publish=publish,
+        publish=_link_publisher(),
         aligned=aligned,
     )
     if aligned:

@@ -136,13 +136,7 @@ class FFNSideMixin(AFDRunnerMixin):
         work = endpoint.work if endpoint is not None else None
         again = work.rejoining() if isinstance(work, AsyncFFN) else None
         if error is None and again is not None:
-            # Off the loop's thread: the rendezvous waits for the others.
-            threading.Thread(
-                target=self._afd_async_again,
-                args=(again,),
-                name="afd-ffn-rejoin",
-                daemon=True,
-            ).start()
+            self._afd_rejoin_in_background(again)
             return
         failed = work.failed_peers() if isinstance(work, AsyncFFN) else []
         if error is None and not failed and envs.keep_ffn_alive():
@@ -155,33 +149,6 @@ class FFNSideMixin(AFDRunnerMixin):
         if endpoint is not None:
             endpoint.close(f"ffn rank {endpoint.role_rank} stops: {why}")
         self._afd_stop_server(why)
-
-    def _afd_async_again(self, why: str) -> None:
-        """The attention ranks left the session to rendezvous again
-        (``why``): close this endpoint, open a new one (waits up to
-        ``connect_timeout_s`` for every rank, the restarted one too) and
-        serve it; the server stops when that fails."""
-        old = self.afd_endpoint
-        assert old is not None
-        logger.warning(
-            "AFD ffn rank %d: %s; the deployment re-forms, rendezvous again at "
-            "%s:%d",
-            old.role_rank, why, old.afd.host, old.afd.port,
-        )  # fmt: skip
-        if self.afd_metrics is not None:
-            self.afd_metrics.stop()
-            self.afd_metrics = None
-        old.close(f"{REJOIN}ffn rank {old.role_rank} re-forms the deployment: {why}")
-        try:
-            self.afd_endpoint = open_endpoint(
-                self.vllm_config, old.afd, old.split, self.device
-            )
-        except AFDError as e:
-            self.afd_endpoint = None
-            self._afd_stop_server(f"the rendezvous again failed: {e}")
-            return
-        logger.info("AFD ffn rank %d: serving again", old.role_rank)
-        self._afd_serve_async(self.afd_endpoint)
 
     def _afd_loop_connector(self) -> FFNConnector:
         """What the FFN loop talks to: the endpoint's connector, or with
@@ -222,15 +189,27 @@ class FFNSideMixin(AFDRunnerMixin):
             )
         self.afd_loop.start()
 
+    def _afd_rejoin_in_background(self, why: str) -> None:
+        """:meth:`_afd_rendezvous_again` off the loop's thread: the
+        rendezvous waits for the others."""
+        threading.Thread(
+            target=self._afd_rendezvous_again,
+            args=(why,),
+            name="afd-ffn-rejoin",
+            daemon=True,
+        ).start()
+
     def _afd_rendezvous_again(self, why: str) -> None:
         """The session ended for a rendezvous again (``why``): close this
-        endpoint, open a new one (waits up to ``connect_timeout_s``), serve
-        it; the server stops when that fails. With tensor parallelism only
-        TP rank 0 has a connector: the other TP ranks start their new loop
-        at once and wait in it for TP rank 0's first plan."""
+        endpoint, open a new one (waits up to ``connect_timeout_s``, for the
+        restarted rank too), serve it; the server stops when that fails.
+        With tensor parallelism only TP rank 0 has a connector: the other TP
+        ranks start their new loop at once and wait in it for TP rank 0's
+        first plan. On ``async`` the rank keeps its expert slice."""
         old = self.afd_endpoint
         assert old is not None
-        if old.connector is not None:
+        exchanges = old.connector is not None or old.work is not None
+        if exchanges:
             logger.warning(
                 "AFD ffn rank %d: %s; the deployment re-forms, rendezvous again "
                 "at %s:%d",
@@ -248,9 +227,12 @@ class FFNSideMixin(AFDRunnerMixin):
             self.afd_endpoint = None
             self._afd_stop_server(f"the rendezvous again failed: {e}")
             return
-        if old.connector is not None:
+        if exchanges:
             logger.info("AFD ffn rank %d: serving again", old.role_rank)
-        self._afd_serve(self._afd_loop_connector())
+        if self.afd_endpoint.work is not None:
+            self._afd_serve_async(self.afd_endpoint)
+        else:
+            self._afd_serve(self._afd_loop_connector())
 
     def _afd_step_graphs(self) -> StepGraphs | None:
         """CUDA graphs of whole steps, where the device has them."""
@@ -331,13 +313,7 @@ class FFNSideMixin(AFDRunnerMixin):
             # ranks are inside the step: the server stops, to be restarted.)
             again = connector.rejoin_after_failure()
         if again is not None and not stopping:
-            # Off the loop's thread: the rendezvous waits for the others.
-            threading.Thread(
-                target=self._afd_rendezvous_again,
-                args=(again,),
-                name="afd-ffn-rejoin",
-                daemon=True,
-            ).start()
+            self._afd_rejoin_in_background(again)
             return
         if self.afd_profiler is not None:
             self.afd_profiler.close()  # on the loop's thread, which traced
