@@ -155,6 +155,13 @@ def pytest_terminal_summary(terminalreporter):
         + (f" ({by_role})" if by_role else "")
         + f"; wall time {time.monotonic() - _T0:.0f}s"
     )
+    forks = _SESSION / "forks"
+    if forks.exists():
+        counts = [line.split() for line in forks.read_text().splitlines()]
+        terminalreporter.write_line(
+            f"fork servers: {sum(int(s) for s, _ in counts)}, role processes "
+            f"forked from them: {sum(int(f) for _, f in counts)}"
+        )
     for module, n in modules.most_common():
         terminalreporter.write_line(f"  {n:3d}  {module}")
 

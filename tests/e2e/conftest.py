@@ -38,6 +38,7 @@ def server_pool():
     import fcntl
     import subprocess
 
+    import forks
     import harness
 
     lock = os.path.join(os.environ["AFD_TEST_SESSION_DIR"], "warm-registry.lock")
@@ -48,9 +49,18 @@ def server_pool():
 
     # two workers, each with a pool, share the host's memory
     harness.POOL.keep = 3 if harness.xdist_workers() == 1 else 2
-    yield harness.POOL
-    harness.POOL.close()
-    harness.PLAIN_RUNNER.close()
+    # role processes forked from processes that imported vLLM once (CPU)
+    if (
+        os.environ.get("AFD_TEST_FORK_SERVERS", "1") != "0"
+        and not harness.cuda_visible()
+    ):
+        forks.install()
+    try:
+        yield harness.POOL
+    finally:
+        harness.POOL.close()
+        harness.PLAIN_RUNNER.close()
+        forks.close()
 
 
 @pytest.fixture(autouse=True)

@@ -351,7 +351,7 @@ class PlainRunner:
         dtypes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--dtype"]
         fp32 = bool(dtypes) and dtypes[-1] == "float32"
         sized = "--kv-cache-memory-bytes" in argv  # this process has no KV_ENV
-        return fp32 and sized and not wide and not _cuda_visible()
+        return fp32 and sized and not wide and not cuda_visible()
 
     def _start(self) -> None:
         read, write = os.pipe()
@@ -424,7 +424,7 @@ class PlainRunner:
             self._reply = None
 
 
-def _cuda_visible() -> bool:
+def cuda_visible() -> bool:
     try:
         import torch
 

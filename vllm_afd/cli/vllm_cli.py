@@ -27,15 +27,22 @@ def installed_vllm_version() -> str:
     raise metadata.PackageNotFoundError("vllm")
 
 
+def _version(distribution_name: str) -> str:
+    if distribution_name == "vllm":
+        return installed_vllm_version()
+    return _original_version(distribution_name)
+
+
+def use_installed_vllm_version() -> None:
+    """From now on in this process, the version of ``vllm`` is that of the
+    installed vLLM distribution, whatever its name (before vLLM's CLI is
+    imported)."""
+    metadata.version = _version
+
+
 def run_vllm_cli(argv: list[str]) -> None:
     """Run ``vllm ARGV…`` in this process."""
-
-    def version(distribution_name: str) -> str:
-        if distribution_name == "vllm":
-            return installed_vllm_version()
-        return _original_version(distribution_name)
-
-    metadata.version = version
+    use_installed_vllm_version()
     sys.argv = ["vllm", *argv]
     from vllm.entrypoints.cli.main import main
 

@@ -13,12 +13,33 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from vllm_afd import envs
 from vllm_afd.deploy.logs import TextSink, exception_of
+
+
+def popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A role process in a session (process group) of its own, its stdout
+    and stderr one pipe."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+#: how :meth:`RoleProcess.start` starts its process (:func:`popen`). The test
+#: suite swaps in a fork server that has imported vLLM once for many
+#: ``vllm-afd serve`` processes (``tests/e2e/fork_server.py``); what it
+#: returns behaves as the ``Popen`` does for ``pid``, ``poll``, ``wait``,
+#: ``stdout`` and signals.
+spawn: Callable[[list[str], dict[str, str]], subprocess.Popen[bytes]] = popen
 
 
 class LaunchError(RuntimeError):
@@ -84,13 +105,7 @@ class RoleProcess:
                 os.close(fd)
             Path(self.stop_note).write_text("")
             env = {**env, envs.AFD_STOP_NOTE: self.stop_note}
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.proc = spawn(self.argv, env)
         self._pump = threading.Thread(
             target=self._pump_lines, args=(self.proc.stdout, log), daemon=True
         )

@@ -1,0 +1,195 @@
+"""``vllm-afd serve`` processes started from fork servers (``fork_server.py``).
+
+:func:`install` makes :data:`vllm_afd.deploy.process.spawn` start every
+``python -m vllm_afd.cli.main serve …`` from a fork server that imported vLLM
+once; any other command (the router, ``ip netns exec …``) is started as
+before. One fork server per environment less its :data:`UNKEYED` variables, started
+on first use and stopped by :func:`close`. A :class:`ForkedProcess` stands for
+the ``Popen`` of the child: ``pid``, ``returncode``, ``poll``, ``wait``,
+``stdout`` and signals, the child in a session of its own (``os.killpg`` on
+its pid reaches its group, as with ``start_new_session``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from vllm_afd.deploy import process
+
+#: seconds a fork server may take to import vLLM and listen
+READY_S = 180.0
+#: variables read when used, never at import (this project's; pytest's name
+#: of the running test): a fork server serves every value of them
+UNKEYED = ("AFD_", "PYTEST_")
+#: fork servers kept at once (~0.6 GB each), the least recently used stopped
+KEEP = 3
+#: the commands started from a fork server: what ``serve_argv`` builds
+SERVE = [sys.executable, "-m", "vllm_afd.cli.main", "serve"]
+
+
+class ForkedProcess:
+    """A child of a fork server, seen as the ``Popen`` of it would be."""
+
+    def __init__(self, path: str, argv: list[str], env: dict[str, str]) -> None:
+        """``argv``: ``[sys.executable, "-m", MODULE, *ARGS]``."""
+        if argv[:2] != [sys.executable, "-m"] or len(argv) < 3:
+            raise ValueError(f"not a python -m command: {argv}")
+        self.args = argv
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+        self._buf = b""
+        read, write = os.pipe()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(path)
+            socket.send_fds(self._conn, [b"F"], [write])
+            body = json.dumps(
+                {"module": argv[2], "argv": argv[3:], "env": env, "cwd": os.getcwd()}
+            )
+            data = body.encode()
+            self._conn.sendall(len(data).to_bytes(8, "big") + data)
+        finally:
+            os.close(write)
+        self.stdout: IO[bytes] = os.fdopen(read, "rb")
+        line = self._line(60.0)
+        if line is None or not line.startswith("pid "):
+            raise RuntimeError(f"the fork server at {path} answered {line!r}")
+        self.pid = int(line.split()[1])
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The next line from the fork server within ``timeout``, else None."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                return None
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise RuntimeError(f"the fork server of pid {self.args} went away")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._lock:
+            if self.returncode is None:
+                line = self._line(timeout)
+                if line is None:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+                self.returncode = int(line.split()[1])
+                self._conn.close()
+            return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServers:
+    """The session's fork servers, one per environment less :data:`UNKEYED`."""
+
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="afd-forks-"))
+        self._servers: dict[tuple, tuple[subprocess.Popen[bytes], str]] = {}
+        self._lock = threading.Lock()
+        self.started = 0  # fork servers
+        self.forked = 0  # processes forked from them
+
+    def __len__(self) -> int:
+        return len(self._servers)
+
+    def _server(self, env: dict[str, str]) -> str:
+        key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(UNKEYED)))
+        with self._lock:
+            running = self._servers.pop(key, None)
+            if running is not None and running[0].poll() is None:
+                self._servers[key] = running  # the most recently used last
+                return running[1]
+            while len(self._servers) >= KEEP:  # the least recently used
+                self._stop(self._servers.pop(next(iter(self._servers))))
+            n = self.started
+            path = str(self._dir / f"s{n}.sock")
+            log = self._dir / f"s{n}.log"
+            with log.open("ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("fork_server.py")),
+                     path],
+                    env=dict(key), stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            self.started += 1
+            deadline = time.monotonic() + READY_S
+            while not os.path.exists(path):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self._stop((proc, path))
+                    raise RuntimeError(
+                        f"fork server {n} did not listen within {READY_S:.0f}s "
+                        f"(exit {proc.poll()}): {log.read_text()[-2000:]}"
+                    )
+                time.sleep(0.1)
+            self._servers[key] = (proc, path)
+            return path
+
+    @staticmethod
+    def _stop(server: tuple[subprocess.Popen[bytes], str]) -> None:
+        """Stop a fork server (its children live on: each in its own session)."""
+        server[0].kill()
+        server[0].wait(10)
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        if argv[: len(SERVE)] != SERVE:
+            return process.popen(argv, env)
+        return self.fork(argv, env)  # type: ignore[return-value]
+
+    def fork(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+        """``argv`` (``python -m MODULE ARGS``) forked from the fork server of
+        ``env``."""
+        self.forked += 1
+        return ForkedProcess(self._server(env), argv, env)
+
+    def close(self) -> None:
+        with self._lock:
+            for server in self._servers.values():
+                self._stop(server)
+            self._servers.clear()
+
+
+SERVERS = ForkServers()
+
+
+def install() -> None:
+    """Start ``vllm-afd serve`` processes from :data:`SERVERS` from now on."""
+    process.spawn = SERVERS.spawn
+
+
+def close() -> None:
+    """Back to plain process starts; stop the fork servers and add their
+    counts to ``AFD_TEST_SESSION_DIR``'s ``forks`` file (the summary's)."""
+    process.spawn = process.popen
+    SERVERS.close()
+    if SERVERS.started:
+        with (Path(os.environ["AFD_TEST_SESSION_DIR"]) / "forks").open("a") as f:
+            f.write(f"{SERVERS.started} {SERVERS.forked}\n")
