@@ -69,6 +69,14 @@ def _child(output: int, request: dict, inherited: list[int]) -> None:
 
     code = 1
     try:
+        # ps shows the command, not ours (before the environment changes: the
+        # title takes the memory of the original argv and environment)
+        with contextlib.suppress(ImportError):
+            import setproctitle
+
+            setproctitle.setproctitle(
+                " ".join([sys.executable, "-m", request["module"], *request["argv"]])
+            )
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -3,9 +3,9 @@
 A role process forked from a fork server must be the process the harness
 would otherwise have started: its arguments, environment and working
 directory, a session of its own, ``__main__`` named as with ``python -m`` (the
-processes vLLM spawns import it by that name), its exit code and a signal's
-as ``Popen`` reports them. Anything but ``vllm-afd serve`` is started as
-before.
+processes vLLM spawns import it by that name), its command line in ``ps``,
+its exit code and a signal's as ``Popen`` reports them. Anything but
+``vllm-afd serve`` is started as before.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def _seen(proc: forks.ForkedProcess) -> dict:
 def test_a_forked_process_is_what_python_m_would_start() -> None:
     env = {**os.environ, "AFD_FORK_PROBE": "given"}
     proc = forks.SERVERS.fork([sys.executable, "-m", "fork_probe", "3", "a b"], env)
-    assert _seen(proc) == {
+    seen = _seen(proc)
+    assert seen.pop("ps").startswith(f"{sys.executable} -m fork_probe 3 a b")
+    assert seen == {
         "argv": ["3", "a b"],
         "env": "given",
         "cwd": os.getcwd(),
