@@ -1054,6 +1054,23 @@ def http_get(url: str) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
+def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``vllm-afd ARGV`` in this process, its stdout and stderr kept: its
+    servers start as the harness's do (from the fork servers on CPU). For
+    commands under test as a library (bench, plan); the console script's own
+    process is tested by the launcher and demo tests."""
+    import contextlib
+
+    from vllm_afd.cli import main as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return subprocess.CompletedProcess(
+        ["vllm-afd", *argv], code, out.getvalue(), err.getvalue()
+    )
+
+
 def wait_for(cond, timeout: float, what: str) -> float:
     """Poll ``cond`` until true; the seconds it took. Fails naming ``what``."""
     import pytest

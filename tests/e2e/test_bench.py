@@ -10,13 +10,11 @@ roles and must see their counters grow across the requests.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import urllib.error
 
 import pytest
-from harness import free_ports
+from harness import free_ports, run_cli
 
 from vllm_afd.cli.client import afd_metrics
 
@@ -64,9 +62,6 @@ def bench_run(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     port, ffn_port, afd_port = free_ports(3)
     argv = [
-        sys.executable,
-        "-m",
-        "vllm_afd.cli.main",
         "bench",
         "--model",
         str(tiny_models["deepseek_v2"]),
@@ -81,7 +76,7 @@ def bench_run(tiny_models, tmp_path_factory):
     ]
     base = f"http://127.0.0.1:{port}"
     with MetricsPoller(base, f"http://127.0.0.1:{ffn_port}") as poller:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=420)
+        proc = run_cli(argv)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     return report, proc, poller, out

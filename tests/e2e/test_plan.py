@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-from harness import PLAN_RESULTS, free_ports
+from harness import PLAN_RESULTS, free_ports, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
@@ -29,14 +28,14 @@ ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "float32"]
 def _plan(model, out, *extra: str) -> subprocess.CompletedProcess:
     port, ffn_port, afd_port = free_ports(3)
     argv = [
-        sys.executable, "-m", "vllm_afd.cli.main", "plan", str(model),
+        "plan", str(model),
         *("--context-lens", "64", "--batch-sizes", "1,4"),
         *("--decode-tokens", "24", "--devices", "3"),
         *("--port", str(port), "--ffn-port", str(ffn_port)),
         *("--afd-port", str(afd_port), "--cache-dir", str(out / "cache")),
         *extra, "--", *ARGS,
     ]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=1500)
+    return run_cli(argv)
 
 
 def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
