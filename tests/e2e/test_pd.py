@@ -21,6 +21,7 @@ of the requests, prefill's KV now from a new process).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -41,6 +42,7 @@ from harness import (
     prestart_plain,
     print_log_tail,
     prompts,
+    run_cli,
     wait_for,
     workload_jobs,
 )
@@ -67,6 +69,8 @@ PREFILL_BACK_S = 240.0
 #: the workload's requests sent again once prefill is back: prompts of 1,
 #: 13, 89, 144 and 200 tokens
 AGAIN = (0, 6, 9, 11, 14)
+#: requests of the PD benchmark's run
+BENCH_N = 6
 
 
 def _pd_spec(model, attention: int, ffn: int, prefill: str = "1") -> PDSpec:
@@ -174,3 +178,44 @@ def _prefill_killed(pd: PDDeployment, texts: list[str], model: str) -> None:
         again = one_by_one(pd.api_url, model, texts, only=AGAIN)
     plain = plain_outputs(pd.decode.spec, texts)
     assert_same_outputs(again, [plain[i] for i in AGAIN], ATOL)
+
+
+def test_bench_pd_with_afd_decode_against_plain_decode_and_plain_vllm(
+    family_models, tmp_path
+):
+    """``vllm-afd bench --prefill 1``: PD with AFD 1A1F decode, PD with one
+    plain decode server (the baseline), plain vLLM (the reference), the same
+    requests one at a time: every figure present, greedy outputs identical
+    across the three, the AFD counters read from the decode roles behind the
+    router."""
+    port = free_run(5)  # router, decode attention, FFN, prefill, router metrics
+    afd_port = free_run(3, avoid=set(range(port, port + 5)))
+    report_path = tmp_path / "pd.json"
+    argv = [
+        "bench", "--model", str(family_models["qwen3_moe"]), "--prefill", "1",
+        "--port", str(port), "--afd-port", str(afd_port),
+        "--num-requests", str(BENCH_N), "--concurrency", "1",
+        "--input-len", "uniform:8:64", "--output-len", "fixed:8",
+        "--warmup", "1", "--skip-overhead", "--no-progress",
+        "--json", str(report_path), "--", *ARGS,
+    ]  # fmt: skip
+    proc = run_cli(argv)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    cfg = report["config"]
+    assert cfg["prefill"] == "1P" and cfg["afd_label"] == "PD 1P + AFD 1A1F"
+    assert cfg["baseline_label"] == "PD 1P + plain decode"
+    ref = report["reference"]
+    # role processes: prefill + attention + FFN, prefill + decode, plain
+    sides = [(report["afd"], 3), (report["baseline"], 2), (ref["figures"], 1)]
+    for run, devices in sides:
+        assert (run["requests"], run["failed"]) == (BENCH_N, 0), run["errors"]
+        assert run["output_tokens"] == BENCH_N * 8 and run["devices"] == devices
+        assert run["ttft_ms"]["p50"] > 0 and run["tpot_ms"]["p50"] > 0
+    for cmp_ in (report["comparison"], ref["comparison"]):
+        assert cmp_["agreement"] == 1.0, cmp_
+        assert cmp_["ttft_p50_ratio"] > 0 and cmp_["throughput_ratio"] > 0
+    counters = report["counters"]
+    assert counters["attention_steps"] > 0 and counters["ffn_steps"] > 0
+    assert "plain vLLM on the same requests" in proc.stdout
+    assert "PD 1P + plain decode" in proc.stdout.splitlines()[0]

@@ -443,3 +443,33 @@ def test_a_streamed_request_records_the_gap_before_each_token() -> None:
     one, half, other_half = res.token_gaps_s
     assert one >= 0.05 and half == other_half and half >= 0.025
     assert bodies[0]["cache_salt"] == "s1"
+
+
+def test_a_reference_server_gets_its_figures_and_ratios_under_the_table():
+    r = _report()
+    afd = RunResult("AFD", tuple(_result(i, (1, 2, 3, i), 0.2) for i in range(3)), 2.0)
+    ref = RunResult(
+        "reference", tuple(_result(i, (1, 2, 3, i), 0.4) for i in range(3)), 4.0
+    )
+    r["reference"] = rep.reference_figures(afd, ref)
+    r["config"].update(
+        prefill="1P",
+        afd_label="PD 1P + AFD 1A1F",
+        baseline_label="PD 1P + plain decode",
+        reference_label="plain vLLM",
+    )
+    cmp_ = r["reference"]["comparison"]
+    assert cmp_["ttft_p50_ratio"] == pytest.approx(0.5)
+    assert cmp_["throughput_ratio"] == pytest.approx(2.0)
+    text = bench_format.format_table(r)
+    head = text.splitlines()[0]
+    assert "vs PD 1P + plain decode, and plain vLLM" in head
+    assert "PD 1P + AFD 1A1F" in text and "PD 1P + plain decode" in text
+    assert "plain vLLM on the same requests: 3/3 ok" in text
+    assert "(AFD/plain vLLM 2.000)" in text
+    assert "TTFT p50 ~400.00 ms (0.500)" in text
+    assert "greedy output = plain vLLM: 3/3" in text
+
+
+def test_without_a_reference_the_table_has_no_reference_lines():
+    assert "on the same requests" not in bench_format.format_table(_report())

@@ -41,10 +41,16 @@ def _pd() -> list[list[str]]:
     return [argv for argv in _commands() if "--prefill" in argv]
 
 
+def _pd_name(argv: list[str]) -> str:
+    """``--prefill``'s value, `` plain`` after it with ``--plain-decode``."""
+    name = argv[argv.index("--prefill") + 1]
+    return f"{name} plain" if "--plain-decode" in argv else name
+
+
 def test_the_page_has_the_bare_host_slurm_kubernetes_and_pd_commands():
     assert len(_across_hosts()) == 3
-    # plain prefill servers, and an AFD prefill deployment
-    assert [argv[argv.index("--prefill") + 1] for argv in _pd()] == ["1", "1A2F:async"]
+    # plain prefill servers, an AFD prefill deployment, PD without AFD
+    assert [_pd_name(argv) for argv in _pd()] == ["1", "1A2F:async", "1 plain"]
 
 
 #: the roles each PD command of the page starts, in start order
@@ -54,17 +60,16 @@ PD_ROLES = {
         "prefill-ffn0", "prefill-ffn1", "prefill-attention",
         "ffn", "attention", "router",
     ],
+    "1 plain": ["prefill", "decode (plain vLLM, the KV consumer)", "router"],
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "argv", _pd(), ids=lambda argv: argv[argv.index("--prefill") + 1]
-)
+@pytest.mark.parametrize("argv", _pd(), ids=_pd_name)
 def test_the_pd_commands_of_the_page_are_valid(argv, capsys):
     cut = argv.index("--")
     assert cli.main([*argv[:cut], "--dry-run", *argv[cut:]]) == 0
     out = capsys.readouterr().out
-    roles = PD_ROLES[argv[argv.index("--prefill") + 1]]
+    roles = PD_ROLES[_pd_name(argv)]
     heads = [line[2:] for line in out.splitlines() if line.startswith("# ")]
     assert [h for h in heads if h in roles] == roles
 

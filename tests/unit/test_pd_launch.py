@@ -262,3 +262,38 @@ def test_launch_dry_run_with_an_afd_prefill_deployment(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["launch", "m", "--prefill", "1A3F", "--dry-run"])
     assert "must be >= afd.num_ffn_ranks" in capsys.readouterr().err
+
+
+def test_plain_decode_puts_one_plain_server_where_the_afd_deployment_was(
+    tmp_path,
+) -> None:
+    spec = PDSpec.make(_spec(), prefill=1, port=9000, plain_decode=True)
+    assert spec.decode_name == "plain decode"
+    text = pd_dry_run(spec, tmp_path / "kv")
+    heads = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    assert heads[1:] == [
+        "prefill",
+        "decode (plain vLLM, the KV consumer)",
+        "router",
+    ], heads
+    lines = text.splitlines()
+    decode = lines[lines.index("# decode (plain vLLM, the KV consumer)") + 1]
+    assert "--port 9001" in decode and '"kv_role": "kv_consumer"' in decode
+    assert "afd" not in decode.split("serve", 1)[1]  # no AFD config
+    pd = PDDeployment(spec, log=None, log_dir=tmp_path)
+    assert [p.name for p in pd.processes] == ["prefill", "decode", "router"]
+    assert pd.decode.ffns == [] and pd.decode.api_url == "http://127.0.0.1:9001"
+    assert "--decode http://127.0.0.1:9001" in " ".join(pd.router.argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--plain-decode"], "give --prefill"),
+        (["--prefill", "1", "--plain-decode", "-A", "2"], "leave them out"),
+        (["--prefill", "1", "--plain-decode", "-F", "2"], "leave them out"),
+    ],
+)
+def test_plain_decode_refusals(argv, match, capsys) -> None:
+    assert cli.main(["launch", "m", *argv, "--dry-run"]) == 2
+    assert match in capsys.readouterr().err

@@ -3,7 +3,9 @@
 ::
 
     vllm-afd bench --model DIR -A M -F N [workload] [-- vllm serve args…]
-    vllm-afd bench --afd-url URL [--ffn-url URL] [--baseline-url URL] [workload]
+    vllm-afd bench --model DIR --prefill N|xAyF[:async] -A M -F N [workload] [-- …]
+    vllm-afd bench --afd-url URL [--ffn-url URL] [--baseline-url URL]
+                   [--reference-url URL] [workload]
 
 With ``--model`` it starts the AFD deployment (``launch.Deployment``), runs
 the workload, stops it, then starts plain vLLM on the same model, settings
@@ -12,7 +14,14 @@ the other, so both have the whole machine. With URLs it drives servers that
 are already running. Phases per server: warm up, read the AFD counters, run
 the workload (streamed, timed per token), read the counters again once they
 settle. On the baseline the workload then runs once more without streaming
-to measure the bench's own overhead. See docs/benchmarks.md.
+to measure the bench's own overhead.
+
+With ``--prefill`` both sides are prefill/decode deployments behind vLLM's
+router (``deploy.pd``): AFD as the decode side, against the same prefill side
+with one plain vLLM decode server (the baseline); then plain vLLM without PD
+runs the same requests as the reference (ratios AFD/reference beside the
+table). ``--reference-url`` gives a running reference in URL mode. See
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,10 +51,11 @@ from vllm_afd.cli.bench_workload import (
     timed_request,
 )
 from vllm_afd.cli.client import afd_metrics
-from vllm_afd.cli.launch import add_device_flags, add_topology_flags
+from vllm_afd.cli.launch import add_device_flags, add_topology_flags, parse_prefill_flag
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 from vllm_afd.deploy.logs import new_log_dir
+from vllm_afd.deploy.pd import PDDeployment, PDSpec, check_router_installed
 from vllm_afd.models.layout import parse_model_line
 
 
@@ -67,6 +77,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="an FFN rank's API server (FFN counters); repeat for every FFN rank",
     )
     t.add_argument("--baseline-url", help="a running plain vLLM on the same model")
+    t.add_argument(
+        "--prefill",
+        type=parse_prefill_flag,
+        default=0,
+        metavar="N|xAyF[:async]",
+        help="with --model: measure prefill/decode deployments behind vLLM's "
+        "router (as launch --prefill): AFD as the decode side against PD with "
+        "one plain vLLM decode server, then plain vLLM without PD as the "
+        "reference",
+    )
+    t.add_argument(
+        "--reference-url",
+        help="a running server to compare with besides the baseline (plain "
+        "vLLM when the other two are PD deployments)",
+    )
     add_topology_flags(t)
     t.add_argument("--baseline-devices", type=int, default=1)
     t.add_argument("--connector", default="p2p")
@@ -203,46 +228,101 @@ def _spec(args: argparse.Namespace, vllm_args: list[str]) -> DeploymentSpec:
 
 @contextlib.contextmanager
 def afd_target(
-    args: argparse.Namespace, spec: DeploymentSpec | None, log: LogTail
+    args: argparse.Namespace,
+    spec: DeploymentSpec | None,
+    pd: PDSpec | None,
+    log: LogTail,
 ) -> Iterator[tuple[str, list[str]]]:
-    """(attention URL, FFN URLs) of the deployment, started if ``spec``."""
+    """(URL the requests go to, URLs with AFD counters) of the deployment,
+    started if ``spec``; behind its router if ``pd``."""
     if spec is None:
-        yield args.afd_url.rstrip("/"), [u.rstrip("/") for u in args.ffn_url]
+        url = args.afd_url.rstrip("/")
+        yield url, [url, *(u.rstrip("/") for u in args.ffn_url)]
+        return
+    if pd is not None:
+        _note(f"starting PD {pd.prefill_name} + {pd.decode_name} ...")
+        with _started_pd(pd, log, "pd-afd", args.ready_timeout) as running:
+            decode = running.decode
+            yield running.api_url, [decode.api_url, *(p.url for p in decode.ffns)]
         return
     _note(f"starting AFD {spec.attention_ranks}A{spec.ffn_ranks}F ...")
     deployment = Deployment(spec, log=log, log_dir=log.log_dir)
     deployment.start(args.ready_timeout)
     try:
-        yield deployment.api_url, [p.url for p in deployment.ffns]
+        yield (
+            deployment.api_url,
+            [deployment.api_url, *(p.url for p in deployment.ffns)],
+        )
     finally:
         deployment.stop()
 
 
 @contextlib.contextmanager
+def _started_pd(
+    pd: PDSpec, log: LogTail, name: str, ready_timeout: float
+) -> Iterator[PDDeployment]:
+    log_dir = None if log.log_dir is None else log.log_dir / name
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    running = PDDeployment(pd, log=log, log_dir=log_dir)
+    running.start(ready_timeout)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@contextlib.contextmanager
 def baseline_target(
-    args: argparse.Namespace, spec: DeploymentSpec | None, log: LogTail
+    args: argparse.Namespace,
+    spec: DeploymentSpec | None,
+    pd: PDSpec | None,
+    log: LogTail,
 ) -> Iterator[str | None]:
     if spec is None:
         yield args.baseline_url and args.baseline_url.rstrip("/")
         return
+    if pd is not None:
+        plain = dataclasses.replace(pd, plain_decode=True)
+        _note(f"starting PD {plain.prefill_name} + plain decode (baseline) ...")
+        with _started_pd(plain, log, "pd-plain", args.ready_timeout) as running:
+            yield running.api_url
+        return
     _note("starting plain vLLM (baseline) on the same model and settings ...")
-    with PlainServer(spec, log=log, log_dir=log.log_dir) as plain:
-        yield plain.url
+    with PlainServer(spec, log=log, log_dir=log.log_dir) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def reference_target(
+    args: argparse.Namespace,
+    spec: DeploymentSpec | None,
+    pd: PDSpec | None,
+    log: LogTail,
+) -> Iterator[str | None]:
+    """Plain vLLM without PD (``--prefill``), or ``--reference-url``."""
+    if spec is None or pd is None:
+        yield args.reference_url and args.reference_url.rstrip("/")
+        return
+    _note("starting plain vLLM without PD (reference) ...")
+    with PlainServer(spec, log=log, log_dir=log.log_dir) as server:
+        yield server.url
 
 
 def _note(text: str) -> None:
     print(f"vllm-afd bench: {text}", file=sys.stderr, flush=True)
 
 
-def counters(url: str, ffn_urls: list[str]) -> dict[tuple[str, str, str], float]:
-    found = afd_metrics(url)
-    for ffn_url in ffn_urls:
-        found.update(afd_metrics(ffn_url))
+def counters(urls: list[str]) -> dict[tuple[str, str, str], float]:
+    """The AFD counters of every role server in ``urls``."""
+    found: dict[tuple[str, str, str], float] = {}
+    for url in urls:
+        found.update(afd_metrics(url))
     return found
 
 
 def settled_counters(
-    url: str, ffn_urls: list[str], timeout: float = 20.0
+    urls: list[str], timeout: float = 20.0
 ) -> dict[tuple[str, str, str], float]:
     """Counters once two reads a publish interval (0.5 s) apart agree.
 
@@ -251,15 +331,15 @@ def settled_counters(
             from a moving window would be wrong, so none is taken).
     """
     deadline = time.monotonic() + timeout
-    last = counters(url, ffn_urls)
+    last = counters(urls)
     while time.monotonic() < deadline:
         time.sleep(0.6)
-        now = counters(url, ffn_urls)
+        now = counters(urls)
         if now == last:
             return now
         last = now
     raise TimeoutError(
-        f"the AFD counters of {url} were still moving after {timeout:.0f}s "
+        f"the AFD counters of {urls[0]} were still moving after {timeout:.0f}s "
         "with no request in flight; is another client using the deployment?"
     )
 
@@ -342,6 +422,8 @@ def _config(
         "afd_url": args.afd_url,
         "ffn_urls": args.ffn_url,
         "baseline_url": args.baseline_url,
+        "reference_url": args.reference_url,
+        "prefill": None,
     }
 
 
@@ -353,29 +435,34 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: LogTail) -> dic
     outs = parse_lengths(args.output_len, "output_len").sample(n, rng)
     lengths = list(zip(ins, outs, strict=True))
     spec = _spec(args, vllm_args) if args.model and not args.afd_url else None
+    pd = _pd_spec(args, spec)
 
-    with afd_target(args, spec, log) as (url, ffn_urls):
+    with afd_target(args, spec, pd, log) as (url, metric_urls):
         served, requests = _prepare(args, url, lengths)
         _warm_up(url, served, requests, args.warmup)
-        before = settled_counters(url, ffn_urls)
+        before = settled_counters(metric_urls)
         afd = _run(args, "AFD", url, served, requests, devices=1)
-        delta = report_mod.counter_delta(before, settled_counters(url, ffn_urls))
+        delta = report_mod.counter_delta(before, settled_counters(metric_urls))
         # Counters cover the first run; the repeats add figures only.
         more = [
             _run(args, "AFD", url, served, requests, devices=1)
             for _ in range(args.repeats - 1)
         ]
     ranks = _role_ranks(args, delta)
-    afd_runs = [dataclasses.replace(r, devices=sum(ranks)) for r in (afd, *more)]
+    # role processes: with --prefill the prefill side's count on both PD sides
+    prefill = 0 if pd is None else pd.prefill_processes
+    afd_runs = [
+        dataclasses.replace(r, devices=sum(ranks) + prefill) for r in (afd, *more)
+    ]
     afd = afd_runs[0]
 
     baseline = plain = None
     base_runs: list = []
-    with baseline_target(args, spec, log) as base_url:
+    with baseline_target(args, spec, pd, log) as base_url:
         if base_url:
             base_served, _ = model_info(base_url)
             _warm_up(base_url, base_served, requests, args.warmup)
-            devices = args.baseline_devices
+            devices = args.baseline_devices if pd is None else prefill + 1
             base_runs = [
                 _run(args, "baseline", base_url, base_served, requests, devices)
                 for _ in range(args.repeats)
@@ -391,13 +478,31 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: LogTail) -> dic
                     devices,
                     stream=False,
                 )
+    reference = None
+    with reference_target(args, spec, pd, log) as ref_url:
+        if ref_url:
+            ref_served, _ = model_info(ref_url)
+            _warm_up(ref_url, ref_served, requests, args.warmup)
+            reference = _run(
+                args, "reference", ref_url, ref_served, requests, args.baseline_devices
+            )
     if baseline is None:
         _note("no baseline (--baseline-url not given): no side-by-side ratios")
     facts = model_facts(
         args.model, served, vllm_args, args.gate_on_attention, log.split
     )
-    return report_mod.build_report(
-        _config(args, vllm_args, ranks),
+    config = _config(args, vllm_args, ranks)
+    if pd is not None:
+        config.update(
+            prefill=pd.prefill_name,
+            afd_label=f"PD {pd.prefill_name} + {pd.decode_name}",
+            baseline_label=f"PD {pd.prefill_name} + plain decode",
+            reference_label="plain vLLM",
+        )
+    elif args.reference_url:
+        config["reference_label"] = "reference"
+    report = report_mod.build_report(
+        config,
         facts,
         afd,
         baseline,
@@ -407,6 +512,19 @@ def measure(args: argparse.Namespace, vllm_args: list[str], log: LogTail) -> dic
         report_mod.repeat_figures(afd_runs, base_runs),
         report_mod.provenance(["vllm-afd", *getattr(args, "argv", [])]),
     )
+    if reference is not None:
+        report["reference"] = report_mod.reference_figures(afd, reference)
+    return report
+
+
+def _pd_spec(args: argparse.Namespace, spec: DeploymentSpec | None) -> PDSpec | None:
+    """The PD deployment ``--prefill`` asks for around ``spec`` (launch mode)."""
+    if not args.prefill:
+        return None
+    if spec is None:
+        raise ValueError("--prefill starts PD deployments: give --model, not URLs")
+    check_router_installed()
+    return PDSpec.make(spec, prefill=args.prefill, port=args.port)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -449,4 +567,6 @@ def run_bench(args: argparse.Namespace) -> int:
         path = plots.plot_report(report, args.plot_dir)
         _note(f"wrote {path}" if path else "matplotlib not installed: no plots")
     failed = report["afd"]["failed"] + ((report["baseline"] or {}).get("failed") or 0)
+    if report.get("reference"):
+        failed += report["reference"]["figures"]["failed"]
     return 1 if failed else 0

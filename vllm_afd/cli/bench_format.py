@@ -38,9 +38,12 @@ def _headline(report: dict[str, Any]) -> list[str]:
     if cfg.get("concurrency"):
         pace.append(f"concurrency {cfg['concurrency']}")
     layers = model.get("remote_layers")
+    versus = "plain vLLM"
+    if cfg.get("prefill"):
+        versus = f"{cfg['baseline_label']}, and {cfg['reference_label']}"
     return [
         f"vllm-afd bench: AFD {cfg['deployment']} (A:F {cfg['af_ratio']}, "
-        f"{cfg.get('connector') or '?'}) vs plain vLLM -- {model.get('name')}",
+        f"{cfg.get('connector') or '?'}) vs {versus} -- {model.get('name')}",
         f"workload: {cfg['num_requests']} requests, {', '.join(pace)}, "
         f"seed {cfg['seed']}; "
         f"input len {minmedmax(work['input_len'])}, output len "
@@ -193,10 +196,40 @@ def _repeat_lines(r: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _reference_lines(report: dict[str, Any]) -> list[str]:
+    """The third server's figures and AFD/its ratios (``--prefill``: plain
+    vLLM without PD), under the table."""
+    ref = report.get("reference")
+    if not ref:
+        return []
+    label = report["config"].get("reference_label") or "reference"
+    fig, ratio = ref["figures"], ref["comparison"]
+    lines = [
+        f"{label} on the same requests: "
+        f"{fig['requests'] - fig['failed']}/{fig['requests']} ok, output "
+        f"{num(fig['output_throughput'])} tok/s (AFD/{label} "
+        f"{num(ratio['throughput_ratio'], '.3f')})"
+    ]
+    for metric, name in (("ttft", "TTFT"), ("tpot", "TPOT")):
+        cells = [
+            f"p{q} {_marked(fig[f'{metric}_ms'], f'p{q}')} ms "
+            f"({num(ratio[f'{metric}_p{q}_ratio'], '.3f')})"
+            for q in PERCENTILES
+        ]
+        lines.append(f"  {name} " + ", ".join(cells) + f" (AFD/{label} in brackets)")
+    lines.append(
+        f"  greedy output = {label}: {ratio['agreeing_requests']}/"
+        f"{report['afd']['requests']}"
+    )
+    return [*lines, ""]
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as a terminal table."""
-    name = f"AFD {report['config']['deployment']}"
-    rows = [("", name, "baseline", "AFD/baseline"), *_run_rows(report)]
+    cfg = report["config"]
+    name = cfg.get("afd_label") or f"AFD {cfg['deployment']}"
+    base = cfg.get("baseline_label") or "baseline"
+    rows = [("", name, base, "AFD/baseline"), *_run_rows(report)]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     body = [
         f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  "
@@ -209,6 +242,7 @@ def format_table(report: dict[str, Any]) -> str:
             "",
             *body,
             "",
+            *_reference_lines(report),
             *_counter_lines(report["counters"]),
             "",
             *_overhead_line(report["overhead"]),

@@ -334,6 +334,16 @@ def comparison(
     return out
 
 
+def reference_figures(afd: RunResult, reference: RunResult) -> dict[str, Any]:
+    """A third server's figures on the same requests (``--prefill``: plain
+    vLLM without PD) and the ratios AFD/it (:func:`comparison`'s keys)."""
+    afd_fig, ref_fig = run_figures(afd), run_figures(reference)
+    return {
+        "figures": ref_fig,
+        "comparison": comparison(afd, reference, afd_fig, ref_fig),
+    }
+
+
 def overhead_figures(
     stream: RunResult | None, plain: RunResult | None
 ) -> dict[str, Any] | None:

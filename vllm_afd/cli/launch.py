@@ -164,13 +164,20 @@ def add_pd_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prefill",
-        type=_prefill,
+        type=parse_prefill_flag,
         default=0,
         metavar="N|xAyF[:async]",
         help="plain vLLM prefill servers in front of the AFD decode deployment "
         "(0: none, the attention role answers on --port), or one AFD prefill "
         "deployment of x attention and y FFN ranks (':async': the async "
         "connector, experts split over the FFN ranks)",
+    )
+    g.add_argument(
+        "--plain-decode",
+        action="store_true",
+        help="with --prefill: one plain vLLM decode server (the KV consumer, on "
+        "the decode port) instead of the AFD decode deployment: PD without AFD, "
+        "to compare with (vllm-afd bench --prefill starts it itself)",
     )
     g.add_argument(
         "--decode-port",
@@ -332,6 +339,8 @@ def run_launch(args: argparse.Namespace) -> int:
                 args.node_rank, os.environ, len(hosts)
             )
         spec = DeploymentSpec.from_args(args, list(args.vllm_args))
+        if args.plain_decode and not args.prefill:
+            raise LaunchError("--plain-decode is the decode side of PD: give --prefill")
         pd = _pd_spec(spec, args) if args.prefill else None
         if args.dry_run:
             text = (
@@ -387,7 +396,8 @@ def run_launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prefill(value: str) -> int | AFDPrefill:
+def parse_prefill_flag(value: str) -> int | AFDPrefill:
+    """``--prefill N|xAyF[:async]`` as argparse reads it."""
     try:
         return parse_prefill(value)
     except LaunchError as exc:
@@ -395,6 +405,11 @@ def _prefill(value: str) -> int | AFDPrefill:
 
 
 def _pd_spec(spec: DeploymentSpec, args: argparse.Namespace) -> PDSpec:
+    if args.plain_decode and (spec.attention_ranks, spec.ffn_ranks) != (1, 1):
+        raise LaunchError(
+            "--plain-decode runs one plain vLLM decode server; -A/-F describe "
+            "an AFD decode deployment: leave them out"
+        )
     return PDSpec.make(
         spec,
         prefill=args.prefill,
@@ -404,6 +419,7 @@ def _pd_spec(spec: DeploymentSpec, args: argparse.Namespace) -> PDSpec:
         prefill_args=args.prefill_args,
         prefill_devices=args.prefill_devices,
         prefill_restarts=args.prefill_restarts,
+        plain_decode=args.plain_decode,
     )
 
 

@@ -214,7 +214,7 @@ def _afd_window(
     reads: list[dict] = []
     tpot = decode_step(
         url, served, batch, context, decode_tokens, seed, what,
-        between=lambda: reads.append(settled_counters(url, ffn_urls)), note=note,
+        between=lambda: reads.append(settled_counters([url, *ffn_urls])), note=note,
     )  # fmt: skip
     c0, c1, c2 = reads[-3:]
 

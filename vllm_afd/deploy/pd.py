@@ -26,6 +26,10 @@ one file per prompt and layer, so it is for trying PD, not for production).
 A ``kv_role`` the user gives is kept; otherwise the prefill servers get
 ``kv_producer`` and the decode attention role ``kv_consumer``.
 
+For comparison, ``plain_decode`` puts one plain vLLM server (the KV
+consumer) where the AFD decode deployment would be: PD without AFD, the
+baseline of ``vllm-afd bench --prefill``.
+
 Start order: prefill servers (or deployment), then the decode deployment
 (FFN ranks, then attention), then the router; stop order: the router, the
 decode deployment (attention first), the prefill servers. A prefill server that exits is
@@ -61,6 +65,7 @@ from vllm_afd.deploy.commands import (
 from vllm_afd.deploy.deployment import MAX_BACKOFF_S, STABLE_S, Deployment
 from vllm_afd.deploy.logs import TextSink
 from vllm_afd.deploy.memory import MemoryBudget, sets_memory
+from vllm_afd.deploy.plain import PlainServer
 from vllm_afd.deploy.process import LaunchError, RoleProcess, connect_host
 from vllm_afd.deploy.spec import (
     KV_TRANSFER_FLAG,
@@ -170,6 +175,10 @@ class PDSpec:
     ``kv_config`` is the KV connector both sides use (None: the default,
     :func:`default_kv_config` under the run's directory); ``prefill_args``
     go to the prefill servers only (every role of an AFD prefill deployment).
+    With ``plain_decode`` the decode side is one plain vLLM server instead of
+    the AFD deployment (``decode``'s model and vLLM arguments, its attention
+    port and memory share): the PD baseline that ``vllm-afd bench --prefill``
+    compares AFD with.
     """
 
     decode: DeploymentSpec
@@ -181,6 +190,7 @@ class PDSpec:
     prefill_devices: str | None = None
     kv_config: dict | None = None
     prefill_restarts: int = 10
+    plain_decode: bool = False
 
     @classmethod
     def make(
@@ -194,12 +204,14 @@ class PDSpec:
         prefill_args: Sequence[str] = (),
         prefill_devices: str | None = None,
         prefill_restarts: int = 10,
+        plain_decode: bool = False,
     ) -> PDSpec:
         """The PD spec around ``decode`` (whose ``vllm_args`` may hold a
         ``--kv-transfer-config``: it moves to :attr:`kv_config`), the router
         on ``port``, the decode attention API on ``decode_port`` (default
         ``port + 1``; its FFN ranks after it). ``prefill``: how many plain
-        prefill servers, or one AFD prefill deployment.
+        prefill servers, or one AFD prefill deployment. ``plain_decode``: the
+        decode side is plain vLLM (:class:`PDSpec`).
 
         Raises:
             LaunchError: a bad prefill count, a deployment across hosts, a KV
@@ -234,7 +246,21 @@ class PDSpec:
             prefill_devices=prefill_devices,
             kv_config=config,
             prefill_restarts=prefill_restarts,
+            plain_decode=plain_decode,
         )
+
+    @property
+    def decode_name(self) -> str:
+        """``AFD 2A1F`` or ``plain decode``."""
+        if self.plain_decode:
+            return "plain decode"
+        return f"AFD {self.decode.attention_ranks}A{self.decode.ffn_ranks}F"
+
+    @property
+    def prefill_processes(self) -> int:
+        """Role processes of the prefill side."""
+        afd = self.prefill_afd
+        return self.prefill if afd is None else afd.attention_ranks + afd.ffn_ranks
 
     def first_prefill_port(self) -> int:
         ffn_port = self.decode.ffn_port or self.decode.port + 1
@@ -319,6 +345,61 @@ def consumer_spec(spec: PDSpec, kv_config: dict) -> DeploymentSpec:
     )
 
 
+def plain_decode_spec(
+    spec: PDSpec, kv_config: dict, budget: MemoryBudget
+) -> DeploymentSpec:
+    """The plain decode server's settings: the decode deployment's model and
+    vLLM arguments (its attention role's too), the attention role's memory
+    share, the KV consumer."""
+    decode = spec.decode
+    return dataclasses.replace(
+        decode,
+        vllm_args=[
+            *decode.vllm_args,
+            *decode.attention_args,
+            *budget.attention_args,
+            KV_TRANSFER_FLAG,
+            side_config(kv_config, "kv_consumer"),
+        ],
+        attention_args=[],
+    )
+
+
+class PlainDecode:
+    """The decode side of a PD baseline (:attr:`PDSpec.plain_decode`): one
+    plain vLLM server on the decode port, the KV consumer."""
+
+    def __init__(
+        self, spec: DeploymentSpec, log: TextSink | None, log_dir: Path | None
+    ) -> None:
+        self.spec = spec
+        self.server = PlainServer(spec, log=log, name="decode", log_dir=log_dir)
+
+    @property
+    def api_url(self) -> str:
+        return self.server.url
+
+    @property
+    def processes(self) -> list[RoleProcess]:
+        return [self.server.process]
+
+    @property
+    def ffns(self) -> list[RoleProcess]:
+        return []
+
+    def start(self, ready_timeout: float = 600.0) -> None:
+        self.server.start(ready_timeout)
+
+    def supervise(self, now: float | None = None) -> None:
+        """Raises LaunchError when the server exited (it is not restarted)."""
+        process = self.server.process
+        if (code := process.exit_code()) is not None:
+            raise LaunchError(f"{process.exited(code)}; every process stops")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.stop(timeout)
+
+
 def pd_processes(
     spec: PDSpec, kv_config: dict, budget: MemoryBudget
 ) -> tuple[list[RoleProcess], RoleProcess]:
@@ -385,7 +466,7 @@ def check_router_installed() -> None:
 class PDDeployment:
     """A running PD deployment: prefill servers (or an AFD prefill
     :class:`~vllm_afd.deploy.deployment.Deployment`), an AFD decode
-    deployment, the router."""
+    deployment (or, for a baseline, :class:`PlainDecode`), the router."""
 
     def __init__(
         self,
@@ -406,8 +487,15 @@ class PDDeployment:
             kv_config = default_kv_config(self.kv_dir)
         self.kv_config = kv_config
         self.budget = pd_budget(spec)
-        self.decode = Deployment(
-            consumer_spec(spec, kv_config), log=log, log_dir=log_dir, budget=self.budget
+        self.decode: Deployment | PlainDecode = (
+            PlainDecode(plain_decode_spec(spec, kv_config, self.budget), log, log_dir)
+            if spec.plain_decode
+            else Deployment(
+                consumer_spec(spec, kv_config),
+                log=log,
+                log_dir=log_dir,
+                budget=self.budget,
+            )
         )
         self.prefills, self.router = pd_processes(spec, kv_config, self.budget)
         self.prefill_deployment: Deployment | None = None
@@ -601,9 +689,8 @@ class PDDeployment:
 
 def pd_ready_line(pd: PDDeployment) -> str:
     spec = pd.spec
-    decode = spec.decode
     return (
-        f"PD {spec.prefill_name} + AFD {decode.attention_ranks}A{decode.ffn_ranks}F "
+        f"PD {spec.prefill_name} + {spec.decode_name} "
         f"ready: {pd.api_url}/v1 (router; KV connector "
         f"{pd.kv_config['kv_connector']})"
     )
@@ -612,14 +699,14 @@ def pd_ready_line(pd: PDDeployment) -> str:
 def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
     """Every process of ``spec`` as shell lines, in start order."""
     kv = spec.kv_config or default_kv_config(kv_dir)
-    decode = consumer_spec(spec, kv)
     budget = pd_budget(spec)
     prefills, router = pd_processes(spec, kv, budget)
     if spec.prefill_afd is None:
         side = f"{spec.prefill} prefill server(s)"
     else:
         side = f"an AFD {spec.prefill_afd.name} prefill deployment"
-    out = [f"# PD: {side}, AFD decode, router on {spec.port}"]
+    decode_side = "plain decode" if spec.plain_decode else "AFD decode"
+    out = [f"# PD: {side}, {decode_side}, router on {spec.port}"]
     for proc in prefills:
         out.append(f"# {proc.name}")
         out.append(shlex.join(["vllm-afd", *proc.argv[3:]]))
@@ -627,7 +714,12 @@ def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
         prefill = prefill_deployment_spec(spec, kv)
         shares = budget if on_cpu(prefill) else None
         out.append(dry_run(prefill, budget=shares, group="prefill-"))
-    out.append(dry_run(decode, budget=budget))
+    if spec.plain_decode:
+        server = PlainDecode(plain_decode_spec(spec, kv, budget), None, None).server
+        out.append("# decode (plain vLLM, the KV consumer)")
+        out.append(shlex.join(["vllm-afd", *server.process.argv[3:]]))
+    else:
+        out.append(dry_run(consumer_spec(spec, kv), budget=budget))
     out.append("# router")
     out.append(shlex.join(["vllm-router", *router.argv[3:]]))
     return "\n".join(out)
