@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -32,7 +33,8 @@ READY_S = 180.0
 #: variables read when used, never at import (this project's; pytest's name
 #: of the running test): a fork server serves every value of them
 UNKEYED = ("AFD_", "PYTEST_")
-#: fork servers kept at once (~0.6 GB each), the least recently used stopped
+#: fork servers kept at once (~0.6 GB each): beyond it the least recently
+#: used with no child running are stopped
 KEEP = 3
 #: the commands started from a fork server: what ``serve_argv`` builds
 SERVE = [sys.executable, "-m", "vllm_afd.cli.main", "serve"]
@@ -76,7 +78,10 @@ class ForkedProcess:
                 return None
             chunk = self._conn.recv(4096)
             if not chunk:
-                raise RuntimeError(f"the fork server of pid {self.args} went away")
+                raise RuntimeError(
+                    f"the fork server of {self.args} closed before the child "
+                    "exited (stopped while its children ran?)"
+                )
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line.decode()
@@ -92,10 +97,19 @@ class ForkedProcess:
             return self.returncode
 
     def poll(self) -> int | None:
+        """The exit code, or None while it runs; never blocks (a thread in
+        :meth:`wait` reads the code for both)."""
+        if not self._lock.acquire(blocking=False):
+            return self.returncode
         try:
-            return self.wait(0.0)
-        except subprocess.TimeoutExpired:
-            return None
+            if self.returncode is None:
+                line = self._line(0.0)
+                if line is not None:
+                    self.returncode = int(line.split()[1])
+                    self._conn.close()
+            return self.returncode
+        finally:
+            self._lock.release()
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -108,12 +122,24 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+@dataclass
+class _Server:
+    proc: subprocess.Popen[bytes]
+    path: str
+    children: list[ForkedProcess] = field(default_factory=list)
+
+    def idle(self) -> bool:
+        """No child of it runs (it can be stopped: a child's exit code comes
+        from it)."""
+        return all(child.poll() is not None for child in self.children)
+
+
 class ForkServers:
     """The session's fork servers, one per environment less :data:`UNKEYED`."""
 
     def __init__(self) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="afd-forks-"))
-        self._servers: dict[tuple, tuple[subprocess.Popen[bytes], str]] = {}
+        self._servers: dict[tuple, _Server] = {}
         self._lock = threading.Lock()
         self.started = 0  # fork servers
         self.forked = 0  # processes forked from them
@@ -121,15 +147,17 @@ class ForkServers:
     def __len__(self) -> int:
         return len(self._servers)
 
-    def _server(self, env: dict[str, str]) -> str:
+    def _server(self, env: dict[str, str]) -> _Server:
         key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(UNKEYED)))
         with self._lock:
             running = self._servers.pop(key, None)
-            if running is not None and running[0].poll() is None:
+            if running is not None and running.proc.poll() is None:
                 self._servers[key] = running  # the most recently used last
-                return running[1]
-            while len(self._servers) >= KEEP:  # the least recently used
-                self._stop(self._servers.pop(next(iter(self._servers))))
+                return running
+            # the least recently used idle ones beyond KEEP
+            idle = [k for k, server in self._servers.items() if server.idle()]
+            for old in idle[: max(0, len(self._servers) + 1 - KEEP)]:
+                self._stop(self._servers.pop(old))
             n = self.started
             path = str(self._dir / f"s{n}.sock")
             log = self._dir / f"s{n}.log"
@@ -144,20 +172,22 @@ class ForkServers:
             deadline = time.monotonic() + READY_S
             while not os.path.exists(path):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    self._stop((proc, path))
+                    self._stop(_Server(proc, path))
                     raise RuntimeError(
                         f"fork server {n} did not listen within {READY_S:.0f}s "
                         f"(exit {proc.poll()}): {log.read_text()[-2000:]}"
                     )
                 time.sleep(0.1)
-            self._servers[key] = (proc, path)
-            return path
+            server = _Server(proc, path)
+            self._servers[key] = server
+            return server
 
     @staticmethod
-    def _stop(server: tuple[subprocess.Popen[bytes], str]) -> None:
-        """Stop a fork server (its children live on: each in its own session)."""
-        server[0].kill()
-        server[0].wait(10)
+    def _stop(server: _Server) -> None:
+        """Stop a fork server (a child still running lives on in its own
+        session, but its exit code is lost: :meth:`_server` stops idle ones)."""
+        server.proc.kill()
+        server.proc.wait(10)
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         if argv[: len(SERVE)] != SERVE:
@@ -168,7 +198,12 @@ class ForkServers:
         """``argv`` (``python -m MODULE ARGS``) forked from the fork server of
         ``env``."""
         self.forked += 1
-        return ForkedProcess(self._server(env), argv, env)
+        server = self._server(env)
+        child = ForkedProcess(server.path, argv, env)
+        with self._lock:
+            server.children = [c for c in server.children if c.returncode is None]
+            server.children.append(child)
+        return child
 
     def close(self) -> None:
         with self._lock:

@@ -58,3 +58,22 @@ def test_only_vllm_afd_serve_is_forked() -> None:
     proc = forks.SERVERS.spawn([sys.executable, "-c", "print('exec')"], {})
     assert isinstance(proc, subprocess.Popen)
     assert proc.communicate(timeout=30)[0] == b"exec\n"
+
+
+def test_a_fork_server_is_not_stopped_while_a_child_of_it_runs(monkeypatch):
+    """Beyond ``KEEP`` fork servers an idle one is stopped, never one whose
+    child still runs (the child's exit code comes from its fork server)."""
+    monkeypatch.setattr(forks, "KEEP", 1)
+    servers = forks.ForkServers()
+    try:
+        waiting = servers.fork(
+            [sys.executable, "-m", "fork_probe", "0", "--wait"], dict(os.environ)
+        )
+        assert _seen(waiting)["session_leader"]
+        other = {**os.environ, "FORK_PROBE_SERVER": "another"}  # another server
+        done = servers.fork([sys.executable, "-m", "fork_probe", "5"], other)
+        assert done.wait(60) == 5 and len(servers) == 2
+        os.killpg(waiting.pid, signal.SIGKILL)
+        assert waiting.wait(30) == -signal.SIGKILL
+    finally:
+        servers.close()
