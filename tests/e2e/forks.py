@@ -86,15 +86,22 @@ class ForkedProcess:
         line, _, self._buf = self._buf.partition(b"\n")
         return line.decode()
 
-    def wait(self, timeout: float | None = None) -> int:
-        with self._lock:
-            if self.returncode is None:
-                line = self._line(timeout)
-                if line is None:
-                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+    def _read_exit(self, timeout: float | None) -> int | None:
+        """The exit code, read from the fork server within ``timeout`` if
+        not yet known (the caller holds the lock); None while it runs."""
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is not None:
                 self.returncode = int(line.split()[1])
                 self._conn.close()
-            return self.returncode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._lock:
+            code = self._read_exit(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
 
     def poll(self) -> int | None:
         """The exit code, or None while it runs; never blocks (a thread in
@@ -102,12 +109,7 @@ class ForkedProcess:
         if not self._lock.acquire(blocking=False):
             return self.returncode
         try:
-            if self.returncode is None:
-                line = self._line(0.0)
-                if line is not None:
-                    self.returncode = int(line.split()[1])
-                    self._conn.close()
-            return self.returncode
+            return self._read_exit(0.0)
         finally:
             self._lock.release()
 
