@@ -5,7 +5,8 @@ the family has dense layers), with the gate on the attention role: Mixtral
 1A1F and Qwen2-MoE 2A1F on the synchronous connector (``p2p``), Qwen3-MoE
 1A2F and GLM-4.5 2A2F on the ``async`` connector (the routed experts split
 over the two FFN ranks; GLM-4.5's shared experts on FFN rank 0); and Mixtral
-also with the gate on the FFN role. Each is compared token-for-token (and
+also with the gate on the FFN role; the families served since, each at
+1A1F with the gate on attention (gpt-oss at 2A1F). Each is compared token-for-token (and
 top-5 logprobs) with one plain vLLM server of the same model and settings
 (fp32, eager) on 16 prompts of 1 to 200 tokens sent at once (long prefills
 beside decodes). Each deployment also proves the role split from the roles'
@@ -67,6 +68,10 @@ LAYOUTS = {
     # builds it as the layer's own dense MLP (on attention with the gate)
     "granitemoeshared": ([0, 1, 2], [0, 1, 2]),
     "qwen3_next": ([1, 2], [0]),  # linear attention mixed in; gated shared
+    "exaone_moe": ([1, 2], [0]),  # shared expert, score bias held by the block
+    "cohere2_moe": ([1, 2], [0]),  # LayerNorm; shared and routed averaged
+    # a dense MLP beside the experts at every layer, the router in the layer
+    "gemma4": ([0, 1, 2], [0, 1, 2]),
 }
 
 #: each family's routed experts (``vllm-afd tiny-model``)
@@ -74,12 +79,13 @@ EXPERTS = {
     "qwen3_moe": 8, "qwen2_moe": 8, "mixtral": 8, "glm4_moe": 16,
     "deepseek_v2": 8, "deepseek_v3": 16, "glm4_moe_lite": 16, "olmoe": 8,
     "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8, "llama4": 8,
-    "granitemoeshared": 8, "qwen3_next": 8,
+    "granitemoeshared": 8, "qwen3_next": 8, "exaone_moe": 8, "cohere2_moe": 8,
+    "gemma4": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-    "ernie4_5_moe", "llama4", "qwen3_next",
+    "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -118,6 +124,9 @@ CASES = [
     ("llama4", 1, 1, True, "p2p"),
     ("granitemoeshared", 1, 1, True, "p2p"),
     ("qwen3_next", 1, 1, True, "p2p"),
+    ("exaone_moe", 1, 1, True, "p2p"),
+    ("cohere2_moe", 1, 1, True, "p2p"),
+    ("gemma4", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
 ]
@@ -146,8 +155,17 @@ if os.environ.get("AFD_TEST_FAMILY_GATES") == "1":
 ASYNC_TIMEOUT_S = 60.0
 
 
-def _atol(attention_ranks: int, ffn_ranks: int) -> float:
-    return 1e-5 if attention_ranks == ffn_ranks == 1 else 1e-4
+#: families whose fp32 logprobs move more than 1e-5 with the batch a step
+#: happens to hold (16 requests sent at once: how they fall into steps varies
+#: from run to run, for plain vLLM too, and CPU fp32 GEMMs of another row
+#: count round differently). Gemma 4: two runs differed by up to 1.6e-5, at
+#: other requests and steps each time; its token ids were identical.
+BATCH_SENSITIVE = ("gemma4",)
+
+
+def _atol(family: str, attention_ranks: int, ffn_ranks: int) -> float:
+    one_to_one = attention_ranks == ffn_ranks == 1
+    return 1e-5 if one_to_one and family not in BATCH_SENSITIVE else 1e-4
 
 
 IDS = [
@@ -191,7 +209,7 @@ def test_family_exact_and_role_split(
         f"{'attention' if gate_on_attention else 'ffn'}: {same}/{len(texts)} "
         f"identical; bytes {held}"
     )
-    atol = BF16_ATOL if family in DTYPES else _atol(ranks, ffn_ranks)
+    atol = BF16_ATOL if family in DTYPES else _atol(family, ranks, ffn_ranks)
     assert_same_outputs(run.afd, run.plain, atol=atol)
 
     assert set(lines) == {"attention", "ffn"}, run.log[-3000:]
@@ -258,7 +276,9 @@ def test_async_ffn_rank_lost_fails_its_requests_and_rejoins(family_models):
         raise
     finally:
         afd.stop()
-    assert_same_outputs(again, plain_outputs(spec, prompts(16)), _atol(1, 2))
+    assert_same_outputs(
+        again, plain_outputs(spec, prompts(16)), _atol("qwen3_moe", 1, 2)
+    )
     FAULT_RESULTS.append(
         "1A2F async, ffn rank 1 SIGKILLed mid-stream: "
         + ", ".join(f"{k} {v:.2f}s" for k, v in figures.items())

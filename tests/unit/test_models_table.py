@@ -26,3 +26,22 @@ def test_every_family_record_is_an_moe_architecture_of_the_registry():
     for family in FAMILIES:
         for arch in family.archs:
             assert arch in listed, arch
+
+
+def test_a_decoder_layer_holding_its_moe_refuses_the_gate_on_the_ffn_role():
+    """Gemma 4 (``layer_holds_moe``): with the gate on the FFN role, the role
+    refuses before vLLM builds anything, naming the setting that serves it."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from vllm_afd.errors import AFDConfigError
+    from vllm_afd.models.split import role_split_class
+
+    held = [f for f in FAMILIES if f.layer_holds_moe]
+    assert [f.name for f in held] == ["gemma4"]
+    for role in ("attention", "ffn"):
+        afd = {"role": role, **({"rank": 0} if role == "ffn" else {})}
+        config = SimpleNamespace(additional_config={"afd": afd})
+        with pytest.raises(AFDConfigError, match="set afd.compute_gate_on_attention"):
+            role_split_class("Gemma4ForCausalLM")(vllm_config=config)

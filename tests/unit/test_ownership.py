@@ -131,6 +131,43 @@ TABLES = {
             "model.layers.2.mlp.experts.down_proj": (F, F),
         },
     ),
+    "exaone_moe": (
+        _prefixes("mlp", dense=True, gate_parts=("e_score_correction_bias",)),
+        {
+            **_COMMON,
+            "model.layers.0.mlp.up_proj.weight": (F, A),
+            "model.layers.1.mlp.gate.weight": (F, A),
+            # a parameter of the block itself, not of a module: the name is
+            # the prefix, whole
+            "model.layers.1.mlp.e_score_correction_bias": (F, A),
+            "model.layers.1.mlp.e_score_correction_bias_x": (F, F),
+            "model.layers.1.mlp.experts.7.down_proj.weight": (F, F),
+            "model.layers.1.mlp.shared_experts.up_proj.weight": (F, F),
+        },
+    ),
+    # ``layer_holds_moe``: the decoder layer holds router, dense MLP and
+    # experts; the MoE block is vLLM's MoE layer alone
+    "gemma4": (
+        SplitPrefixes(
+            moe_blocks=tuple(f"model.layers.{i}.experts" for i in range(3)),
+            gates=tuple(f"model.layers.{i}.router" for i in range(3)),
+            dense_mlps=tuple(f"model.layers.{i}.mlp" for i in range(3)),
+            routed_experts=tuple(f"model.layers.{i}.experts" for i in range(3)),
+        ),
+        {
+            **_COMMON,
+            "model.layers.1.self_attn.q_proj.weight": (A, A),
+            "model.layers.1.pre_feedforward_layernorm_2.weight": (A, A),
+            "model.layers.1.per_layer_input_gate.weight": (A, A),
+            "model.layers.1.layer_scalar": (A, A),
+            "model.per_layer_model_projection.weight": (A, A),
+            "model.layers.1.mlp.gate_proj.weight": (F, A),
+            "model.layers.1.router.proj.weight": (F, A),
+            "model.layers.1.router.per_expert_scale": (F, A),
+            "model.layers.1.experts.gate_up_proj": (F, F),
+            "model.layers.1.experts.down_proj": (F, F),
+        },
+    ),
 }
 
 

@@ -21,6 +21,13 @@ MIXTRAL = SplitPrefixes(
     routed_experts=("model.layers.0.block_sparse_moe.experts",),
 )
 
+EXAONE = SplitPrefixes(
+    moe_blocks=("model.layers.1.mlp",),
+    gates=("model.layers.1.mlp.gate", "model.layers.1.mlp.e_score_correction_bias"),
+    dense_mlps=("model.layers.0.mlp",),
+    routed_experts=("model.layers.1.mlp.experts",),
+)
+
 
 @pytest.mark.parametrize(
     ("prefixes", "name", "group"),
@@ -52,6 +59,13 @@ MIXTRAL = SplitPrefixes(
             "routed_experts",
         ),
         (MIXTRAL, "model.layers.0.self_attn.qkv_proj.weight", "attention"),
+        # a router parameter of the block itself (EXAONE-MoE's score bias)
+        (EXAONE, "model.layers.1.mlp.e_score_correction_bias", "gate"),
+        (
+            EXAONE,
+            "model.layers.1.mlp.shared_experts.gate_up_proj.weight",
+            "shared_experts",
+        ),
     ],
 )
 def test_parameter_group_of_native_parameter_names(prefixes, name, group) -> None:

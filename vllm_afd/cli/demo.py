@@ -89,6 +89,7 @@ def _print_answers(title: str, answers: Answers) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+    from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS
 
     model_dir = args.model_dir or Path(f"{DEFAULT_DIR}-{args.arch}")
     if not (model_dir / "config.json").exists():
@@ -100,6 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
         port=args.port,
         afd_port=args.afd_port,
         vllm_args=demo_vllm_args(args.arch),
+        # a family with no MoE block class routes on attention only
+        gate_on_attention=args.arch in GATE_ON_ATTENTION_ARCHS,
     )
     print("starting AFD 1A1F (attention + FFN) ...", flush=True)
     with Deployment(spec, log=log, log_dir=log_dir) as afd:

@@ -10,10 +10,16 @@ form the split can read:
   block). None where the family has neither.
 * ``attention``: the attention classes the FFN role does not build (a name
   in the family's module, or ``Class.attr`` where a block class holds its
-  attention class as an attribute).
+  attention class as an attribute), and the family's own norm classes where
+  it does not use vLLM's.
 * ``gate``: the attribute of the MoE block that holds the router gate.
 * ``gate_parts``: other attributes of the MoE block, as checkpoints name
   them, that belong to the router (loaded where the gate runs).
+* ``layer_holds_moe``: the decoder layer holds the router and the experts
+  itself, with no MoE block class around them (Gemma 4). The MoE block is
+  then vLLM's MoE layer alone, the gate an attribute of the decoder layer,
+  and the gate must run on attention (the FFN role cannot run a decoder
+  layer).
 * ``moe_modules``: other vLLM modules that build part of the family's model
   (a family reusing another's MoE block, or another family's model class),
   each with its dense-MLP class there; the FFN role builds no embedding,
@@ -45,12 +51,14 @@ class Family:
         module: the vLLM module, ``vllm.model_executor.models.<module>``.
         archs: Hugging Face architecture names served by this record.
         dense_mlp: class in ``module`` building dense MLPs and shared experts.
-        attention: classes in ``module`` the FFN role replaces by nothing.
+        attention: classes in ``module`` the FFN role replaces by nothing
+            (attention, and norms of the family's own).
         gate: attribute of the MoE block holding the router gate.
         gate_parts: checkpoint names of router parts beside the gate in
             the MoE block (ERNIE-4.5's ``moe_statics``: its score bias).
         moe_modules: (module, dense-MLP class or None) of each other vLLM
             module whose classes build part of this family's model.
+        layer_holds_moe: the decoder layer holds router and experts itself.
     """
 
     name: str
@@ -61,6 +69,7 @@ class Family:
     gate: str = "gate"
     gate_parts: tuple[str, ...] = ()
     moe_modules: tuple[tuple[str, str | None], ...] = ()
+    layer_holds_moe: bool = False
 
     @property
     def module_path(self) -> str:
@@ -185,6 +194,38 @@ FAMILIES: tuple[Family, ...] = (
         archs=("Qwen3NextForCausalLM",),
         dense_mlp="Qwen3NextMLP",
         attention=("Qwen3NextAttention", "QwenGatedDeltaNetAttention"),
+    ),
+    Family(
+        # a first dense layer and a shared expert (one MLP class), sigmoid
+        # grouped top-k with a correction bias the MoE block holds itself
+        name="exaone_moe",
+        module="exaone_moe",
+        archs=("ExaoneMoeForCausalLM",),
+        dense_mlp="ExaoneMoeGatedMLP",
+        attention=("ExaoneMoeAttention",),
+        gate_parts=("e_score_correction_bias",),
+    ),
+    Family(
+        # LayerNorm, a logit scale, a dense prefix and a shared expert (one
+        # MLP class), the block averaging shared and routed outputs
+        name="cohere2_moe",
+        module="cohere2_moe",
+        archs=("Cohere2MoeForCausalLM",),
+        dense_mlp="Cohere2MoeMLP",
+        # its norms are classes of its own (RMSNorm or Command-R's LayerNorm,
+        # as the config says), not vLLM's layers
+        attention=("Cohere2MoeAttention", "RMSNorm", "LayerNorm"),
+    ),
+    Family(
+        # no MoE block class: the decoder layer holds a dense MLP, a router
+        # (its own norm, scales and routing function) and the experts
+        name="gemma4",
+        module="gemma4",
+        archs=("Gemma4ForCausalLM",),
+        dense_mlp="Gemma4MLP",
+        attention=("Gemma4Attention",),
+        gate="router",
+        layer_holds_moe=True,
     ),
 )
 

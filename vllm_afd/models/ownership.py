@@ -43,7 +43,9 @@ class SplitPrefixes:
     routed_experts: tuple[str, ...] = ()
 
 
-def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+def under_any(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``name`` is one of ``prefixes`` or lies under one (whole dotted
+    components)."""
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
@@ -51,10 +53,10 @@ def weight_owner(
     name: str, prefixes: SplitPrefixes, *, compute_gate_on_attention: bool
 ) -> AFDRole:
     """The role that loads checkpoint weight ``name``."""
-    if _under(name, prefixes.dense_mlps):
+    if under_any(name, prefixes.dense_mlps):
         return AFDRole.ATTENTION if compute_gate_on_attention else AFDRole.FFN
-    if _under(name, prefixes.gates):
+    if under_any(name, prefixes.gates):
         return AFDRole.ATTENTION if compute_gate_on_attention else AFDRole.FFN
-    if _under(name, prefixes.moe_blocks):
+    if under_any(name, prefixes.moe_blocks):
         return AFDRole.FFN
     return AFDRole.ATTENTION

@@ -38,6 +38,32 @@ TRIED: dict[str, str] = {
         "CPU; its MoE block and attention classes are Qwen3-Next's, which is "
         "served; no record until it is tried on a GPU host"
     ),
+    "JambaForCausalLM": (
+        "plain vLLM cannot serve it on CPU: its Mamba layers call a "
+        "selective-scan kernel (`selective_scan_fwd`) the CPU build lacks; "
+        "no record until it is tried on a GPU host"
+    ),
+    "AfmoeForCausalLM": (
+        "vLLM's module reads config keys that transformers' `AfmoeConfig` "
+        "does not write (`score_func`): plain vLLM fails on a "
+        "transformers-written checkpoint; no record yet"
+    ),
+    "MiMoV2FlashForCausalLM": (
+        "vLLM's module reads the original release's config keys "
+        "(`hybrid_layer_pattern`, `swa_*`) that transformers' "
+        "`MiMoV2FlashConfig` does not write: plain vLLM fails on a "
+        "transformers-written checkpoint; no record yet"
+    ),
+    "LongcatFlashForCausalLM": (
+        "vLLM's module reads config keys that transformers' "
+        "`LongcatFlashConfig` does not write (`mla_scale_q_lora`): plain vLLM "
+        "fails on a transformers-written checkpoint; no record yet"
+    ),
+    "DbrxForCausalLM": (
+        "transformers' own DBRX model does not build from its config class "
+        "(`DbrxAttentionConfig` has no `rope_theta`), so no tiny checkpoint "
+        "could be written; no record yet"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"

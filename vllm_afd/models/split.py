@@ -40,8 +40,9 @@ from vllm_afd.models.families import (
 from vllm_afd.models.ffn_layers import FFNLayers
 from vllm_afd.models.layout import ModelSplit, model_log_line
 from vllm_afd.models.moe_tail import closing_add_fused
-from vllm_afd.models.ownership import SplitPrefixes, weight_owner
+from vllm_afd.models.ownership import SplitPrefixes, under_any, weight_owner
 from vllm_afd.models.remote import Absent, AbsentGate, AFDRemoteRunner, layer_index
+from vllm_afd.roles import AFDRole
 
 logger = init_logger(__name__)
 
@@ -98,12 +99,15 @@ def derive_split(
     first = next(iter(runners))
     stack_path = first.split(".")
     stack = ".".join(stack_path[: stack_path.index(str(layer_index(first)))])
-    blocks = tuple(_parent(name) for name in runners)
+    # what holds each runner and its gate: the MoE block, or the decoder
+    # layer itself (``layer_holds_moe``: then the block is the runner alone)
+    holders = tuple(_parent(name) for name in runners)
+    blocks = tuple(runners) if family.layer_holds_moe else holders
     gates = tuple(
-        f"{b}.{family.gate}"
-        for b in blocks
-        if getattr(model.get_submodule(b), family.gate, None) is not None
-    ) + tuple(f"{b}.{part}" for b in blocks for part in family.gate_parts)
+        f"{h}.{family.gate}"
+        for h in holders
+        if getattr(model.get_submodule(h), family.gate, None) is not None
+    ) + tuple(f"{h}.{part}" for h in holders for part in family.gate_parts)
     moe_layers = tuple(sorted(layer_index(b) for b in blocks))
     dense_layers = tuple(sorted(layer_index(p) for p in recorded.dense_mlps))
     remote = moe_layers if afd.compute_gate_on_attention else dense_layers + moe_layers
@@ -147,7 +151,7 @@ def _has_shared_experts(runner: nn.Module) -> bool:
 
 def parameter_group(name: str, prefixes: SplitPrefixes) -> str:
     """Which part of the model a parameter belongs to (for per-role bytes)."""
-    under = lambda ps: any(name.startswith(p + ".") for p in ps)  # noqa: E731
+    under = lambda ps: under_any(name, ps)  # noqa: E731
     if under(prefixes.dense_mlps):
         return "dense_mlp"
     if under(prefixes.gates):
@@ -180,6 +184,13 @@ class RoleSplitMixin(nn.Module):
         afd = afd_config_of(vllm_config)
         family = family_of(self._afd_arch)
         assert family is not None, self._afd_arch
+        if family.layer_holds_moe and not afd.compute_gate_on_attention:
+            raise AFDConfigError(
+                f"{self._afd_arch}: its decoder layer holds the router and the "
+                "experts itself (no MoE block the FFN role could run), so the "
+                "gate runs on the attention role: set "
+                "afd.compute_gate_on_attention to true"
+            )
         with role_construction(afd, family) as recorded:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.afd = afd
@@ -187,6 +198,8 @@ class RoleSplitMixin(nn.Module):
             self, self._afd_arch, family, afd, recorded, vllm_config
         )
         self._afd_finish_attention(family)
+        self._afd_drop_unrouted_gate_parameters()
+        self._afd_drop_attention_leftovers()
         check_role_weights(self, afd, self.afd_split)
         self.afd_ffn: FFNLayers | None = None
         if afd.is_ffn:
@@ -207,6 +220,8 @@ class RoleSplitMixin(nn.Module):
             runner = self.get_submodule(name)
             runner.routes = gate_here
             runner.parts = self.afd_split.moe_output_parts
+            if family.layer_holds_moe:
+                continue  # its holder is the decoder layer: all attention's
             block = self.get_submodule(_parent(name))
             for child_name, child in list(block.named_children()):
                 if child is runner or not any(True for _ in child.parameters()):
@@ -216,6 +231,63 @@ class RoleSplitMixin(nn.Module):
                         setattr(block, child_name, AbsentGate())
                     continue
                 setattr(block, child_name, Absent())
+
+    def _afd_drop_unrouted_gate_parameters(self) -> None:
+        """On the role that does not route: unregister the router parameters
+        an MoE block holds itself rather than in a module (EXAONE-MoE's score
+        bias, ``gate_parts``), so they are neither loaded nor held as weights
+        here. They stay plain tensors of the block: the runner vLLM built
+        keeps a reference, and never routes on this role."""
+        if self.afd.compute_gate_on_attention == self.afd.is_attention:
+            return
+        gates = self.afd_split.prefixes.gates
+        loose = {
+            id(param)
+            for name, param in self.named_parameters(remove_duplicate=False)
+            if name in gates
+        }
+        # every module registering one (vLLM's MoE layer holds the bias too)
+        for module in self.modules():
+            for attr, param in list(module._parameters.items()):
+                if param is not None and id(param) in loose:
+                    delattr(module, attr)
+                    setattr(module, attr, param.data)
+
+    def _afd_drop_attention_leftovers(self) -> None:
+        """FFN role: replace by nothing each module that holds weights the
+        attention role owns only, outside what the FFN runs, and that the
+        family's classes build on both roles (Gemma 4's per-layer embedding
+        projections, a router's scales where the gate runs on attention).
+        The FFN never calls them: it runs MoE blocks and dense MLPs only."""
+        if not self.afd.is_ffn:
+            return
+        prefixes = self.afd_split.prefixes
+        gate_on_attn = self.afd.compute_gate_on_attention
+
+        def attention_owns_all(module: nn.Module, prefix: str) -> bool:
+            names = [f"{prefix}.{n}" for n, _ in module.named_parameters()]
+            return bool(names) and all(
+                weight_owner(n, prefixes, compute_gate_on_attention=gate_on_attn)
+                is AFDRole.ATTENTION
+                for n in names
+            )
+
+        dropped: list[str] = []
+
+        def visit(module: nn.Module, prefix: str) -> None:
+            for name, child in list(module.named_children()):
+                path = f"{prefix}.{name}" if prefix else name
+                if attention_owns_all(child, path):
+                    setattr(module, name, Absent())
+                    dropped.append(path)
+                else:
+                    visit(child, path)
+
+        visit(self, "")
+        if dropped:
+            logger.info(
+                "AFD ffn model: not held, the attention role's: %s", ", ".join(dropped)
+            )
 
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes of the parameters this role holds, by :func:`parameter_group`."""

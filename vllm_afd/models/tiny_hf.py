@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from vllm_afd.models.families import FAMILIES
+
 #: family -> (transformers config class, its MoE keyword arguments)
 _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Dense layers where mlp_only_layers says; no shared experts.
@@ -192,17 +194,73 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             linear_num_value_heads=2,
         ),
     ),
+    # EXAONE-MoE: first dense layer, a shared expert, sigmoid grouped top-k
+    # with a correction bias held by the MoE block, routed scaling; sliding
+    # and full attention layers.
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            head_dim=32,
+            sliding_window=16,
+            sliding_window_pattern=2,
+        ),
+    ),
+    # Cohere's MoE: LayerNorm (no RMS), a logit scale, softmax top-k, a first
+    # dense layer of its own width, a shared expert averaged with the routed
+    # output, sliding and full attention layers.
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            shared_expert_combination_strategy="average",
+            head_dim=32,
+            sliding_window=16,
+            sliding_window_pattern=2,
+            logit_scale=0.125,
+        ),
+    ),
+    # Gemma 4 (its MoE variant): every layer runs a dense MLP and, beside it,
+    # routed experts with a router of its own (norm, scales, softmax over
+    # all experts, per-expert scales), GELU experts; sliding and full
+    # attention layers with their own head dims, per-layer embeddings.
+    "gemma4": (
+        "Gemma4TextConfig",
+        dict(
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            head_dim=32,
+            global_head_dim=64,
+            sliding_window=16,
+            vocab_size_per_layer_input=None,  # the model's vocabulary
+            hidden_size_per_layer_input=16,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
 }
 
 #: families whose ``intermediate_size`` is the width of an expert (no dense
 #: layers): it is the tiny models' expert width
 _EXPERT_WIDE = (
     "mixtral", "olmoe", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss",
+    "cohere2_moe",
 )  # fmt: skip
 
 HF_ARCHS = tuple(_FAMILIES)
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2",)
+#: families AFD serves with the gate on the attention role only (their
+#: record's ``layer_holds_moe``: no MoE block class the FFN role could run)
+GATE_ON_ATTENTION_ARCHS = tuple(f.name for f in FAMILIES if f.layer_holds_moe)
 #: families plain vLLM serves on CPU in another dtype than fp32 only: its CPU
 #: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN
 #: attention requires BF16"
@@ -260,6 +318,17 @@ def hf_config(
         kwargs["first_k_dense_replace"] = 1
     if arch == "glm4_moe_lite":
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
+    if arch == "cohere2_moe":
+        kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
+        kwargs["prefix_dense_intermediate_size"] = 2 * hidden_size
+    if arch == "exaone_moe":
+        kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
+    if arch == "gemma4":
+        kwargs["vocab_size_per_layer_input"] = vocab_size
+        kwargs["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(num_layers)
+        ]
     if arch == "gpt_oss":
         kwargs["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention"
