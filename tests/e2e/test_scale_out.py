@@ -12,7 +12,8 @@ connector's ``timeout_s``: the attention rank counts it as lost (``/health``
 503 naming the missing heartbeat) and rendezvous again; once it runs again
 (SIGCONT) the FFN rank, both of its TP ranks, re-forms in place (same
 process: no restart, no weights reloaded) and the output is exact again
-(``AFD_TEST_STALLS=N``: N stalls, each followed by the exact workload).
+(every other request of the workload, prompts of 1 to 200 tokens;
+``AFD_TEST_STALLS=N``: N stalls, each followed by them).
 
 The M:N topologies are checked for exactness in the deployments that then
 lose FFN ranks: 2A1F in ``test_faults.py``, 2A2F in ``test_multi_host.py``. The
@@ -104,7 +105,7 @@ def test_topology_greedy_output_equals_plain_vllm(
         stalls, agains = [], []
         for _ in range(STALLS):
             stalls.append(_stall_ffn(afd, url))
-            agains.append(run_workload(url, served, texts))
+            agains.append(run_workload(url, served, texts[::2]))
     except BaseException:
         print_log_tail(log)
         raise
@@ -114,7 +115,7 @@ def test_topology_greedy_output_equals_plain_vllm(
     atol = 1e-5 if a == 1 else MERGED_ATOL
     assert_same_outputs(afd_out, plain_out, atol=atol)
     for again in agains:
-        assert_same_outputs(again, plain_out, atol=atol)
+        assert_same_outputs(again, plain_out[::2], atol=atol)
     # Every FFN rank served steps (each attention rank reaches its FFN rank).
     assert all(steps > 0 for steps in ffn_steps), ffn_steps
     medians = {k: statistics.median(s[k] for s in stalls) for k in stalls[0]}
