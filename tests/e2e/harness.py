@@ -242,9 +242,14 @@ def workload_jobs(texts: list[str]) -> list[tuple[str, int]]:
     return [(p, 32 + (i * 7) % 33) for i, p in enumerate(texts)]
 
 
-def run_workload(url: str, model: str, texts: list[str]) -> list[Completion]:
-    """All prompts at once; even ones streamed; 32-64 new tokens."""
+def run_workload(
+    url: str, model: str, texts: list[str], only: tuple[int, ...] | None = None
+) -> list[Completion]:
+    """All prompts at once; even ones streamed; 32-64 new tokens. ``only``:
+    these requests of the workload (each as the whole workload sends it)."""
     jobs = [(p, n, i % 2 == 0) for i, (p, n) in enumerate(workload_jobs(texts))]
+    if only is not None:
+        jobs = [jobs[i] for i in only]
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda j: complete(url, model, *j), jobs))
 

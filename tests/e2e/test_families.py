@@ -72,6 +72,7 @@ LAYOUTS = {
     "cohere2_moe": ([1, 2], [0]),  # LayerNorm; shared and routed averaged
     # a dense MLP beside the experts at every layer, the router in the layer
     "gemma4": ([0, 1, 2], [0, 1, 2]),
+    "mimo_v2": ([1, 2], [0]),  # sliding layers with sinks; bias on the gate
 }
 
 #: each family's routed experts (``vllm-afd tiny-model``)
@@ -80,7 +81,7 @@ EXPERTS = {
     "deepseek_v2": 8, "deepseek_v3": 16, "glm4_moe_lite": 16, "olmoe": 8,
     "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8, "llama4": 8,
     "granitemoeshared": 8, "qwen3_next": 8, "exaone_moe": 8, "cohere2_moe": 8,
-    "gemma4": 8,
+    "gemma4": 8, "mimo_v2": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
@@ -127,6 +128,7 @@ CASES = [
     ("exaone_moe", 1, 1, True, "p2p"),
     ("cohere2_moe", 1, 1, True, "p2p"),
     ("gemma4", 1, 1, True, "p2p"),
+    ("mimo_v2", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
 ]

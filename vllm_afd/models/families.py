@@ -227,6 +227,15 @@ FAMILIES: tuple[Family, ...] = (
         gate="router",
         layer_holds_moe=True,
     ),
+    Family(
+        # MiMo-V2-Flash: sliding layers with attention sinks, a first dense
+        # layer, sigmoid grouped top-k with a bias held by the gate
+        name="mimo_v2",
+        module="mimo_v2",
+        archs=("MiMoV2FlashForCausalLM",),
+        dense_mlp="MiMoV2MLP",
+        attention=("MiMoV2Attention",),
+    ),
 )
 
 _BY_ARCH = {arch: family for family in FAMILIES for arch in family.archs}

@@ -246,6 +246,22 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             hidden_activation="gelu_pytorch_tanh",
         ),
     ),
+    # MiMo-V2-Flash: a first dense layer, sigmoid grouped top-k with a
+    # correction bias, full and sliding attention layers (sliding ones with
+    # twice the KV heads and attention sinks), value heads of their own width.
+    "mimo_v2": (
+        "MiMoV2FlashConfig",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            head_dim=32,
+            v_head_dim=32,
+            sliding_window=16,
+        ),
+    ),
 }
 
 #: families whose ``intermediate_size`` is the width of an expert (no dense
@@ -334,9 +350,37 @@ def hf_config(
             "sliding_attention" if i % 2 == 0 else "full_attention"
             for i in range(num_layers)
         ]
+    if arch == "mimo_v2":
+        kwargs["layer_types"] = [
+            "full_attention" if i % 2 == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+        kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
     config = config_cls(**kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    if arch == "mimo_v2":
+        _mimo_v2_release_keys(config)
     return config
+
+
+def _mimo_v2_release_keys(config: Any) -> None:
+    """Add the config keys of MiMo-V2-Flash's release, which vLLM's module
+    reads (transformers' config class names the same layout otherwise, and
+    its weights are saved under the release's names)."""
+    sliding = [t == "sliding_attention" for t in config.layer_types]
+    rope = config.rope_parameters
+    config.hybrid_layer_pattern = [int(s) for s in sliding]
+    config.moe_layer_freq = [int(t == "sparse") for t in config.mlp_layer_types]
+    config.swa_num_attention_heads = config.num_attention_heads
+    config.swa_num_key_value_heads = 2 * config.num_key_value_heads
+    config.swa_head_dim = config.head_dim
+    config.swa_v_head_dim = config.v_head_dim
+    config.sliding_window_size = config.sliding_window
+    config.add_swa_attention_sink_bias = True
+    config.layernorm_epsilon = config.rms_norm_eps
+    config.rope_theta = rope["full_attention"]["rope_theta"]
+    config.swa_rope_theta = rope["sliding_attention"]["rope_theta"]
+    config.partial_rotary_factor = rope["full_attention"]["partial_rotary_factor"]
 
 
 def write_hf_weights(
