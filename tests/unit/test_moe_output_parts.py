@@ -104,3 +104,32 @@ def test_finish_moe_output_is_vllm_runners_scale_then_add(dtype, scale):
     expected = s + r
     out = finish_moe_output(torch.cat((shared, routed), dim=1), H, scale)
     assert torch.equal(out, expected)
+
+
+def test_a_block_tail_runs_once_the_ffn_returns_what_the_moe_layer_returned():
+    """``block_tail`` (Cohere2-MoE's average of shared and routed outputs):
+    with the gate on the FFN role the FFN runs the whole block but returns the
+    MoE layer's own output, which the block on attention then finishes."""
+    from torch import nn
+
+    from vllm_afd.models.ffn_layers import _runner_output_in
+
+    class Runner(nn.Module):
+        def forward(self, hidden_states, router_logits):
+            return hidden_states * 3 + router_logits
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Runner()
+
+        def forward(self, hidden):
+            return self.experts(hidden, hidden.sum(-1, keepdim=True)) / 2
+
+    block = Block()
+    hidden = torch.arange(6.0).view(2, 3)
+    run = _runner_output_in(block, block.experts)
+    inner = hidden * 3 + hidden.sum(-1, keepdim=True)
+    for _ in range(2):  # each call returns its own output
+        assert torch.equal(run(hidden), inner)
+    assert torch.equal(block(hidden), inner / 2)  # the block on attention

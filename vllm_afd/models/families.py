@@ -20,6 +20,11 @@ form the split can read:
   then vLLM's MoE layer alone, the gate an attribute of the decoder layer,
   and the gate must run on attention (the FFN role cannot run a decoder
   layer).
+* ``block_tail``: the MoE block changes what vLLM's MoE layer returned
+  before it returns it (Cohere2-MoE averages the shared and routed outputs).
+  With the gate on the FFN role, where the FFN runs the whole block, the FFN
+  then returns what the MoE layer returned, and the block on attention
+  finishes it, so the tail runs once.
 * ``moe_modules``: other vLLM modules that build part of the family's model
   (a family reusing another's MoE block, or another family's model class),
   each with its dense-MLP class there; the FFN role builds no embedding,
@@ -59,6 +64,7 @@ class Family:
         moe_modules: (module, dense-MLP class or None) of each other vLLM
             module whose classes build part of this family's model.
         layer_holds_moe: the decoder layer holds router and experts itself.
+        block_tail: the MoE block changes its MoE layer's output.
     """
 
     name: str
@@ -70,6 +76,7 @@ class Family:
     gate_parts: tuple[str, ...] = ()
     moe_modules: tuple[tuple[str, str | None], ...] = ()
     layer_holds_moe: bool = False
+    block_tail: bool = False
 
     @property
     def module_path(self) -> str:
@@ -215,6 +222,7 @@ FAMILIES: tuple[Family, ...] = (
         # its norms are classes of its own (RMSNorm or Command-R's LayerNorm,
         # as the config says), not vLLM's layers
         attention=("Cohere2MoeAttention", "RMSNorm", "LayerNorm"),
+        block_tail=True,
     ),
     Family(
         # no MoE block class: the decoder layer holds a dense MLP, a router

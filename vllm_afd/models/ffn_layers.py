@@ -28,6 +28,7 @@ from vllm_afd.compat.patching import Patch, check_patch
 from vllm_afd.config import AFDConfig
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.errors import AFDConfigError
+from vllm_afd.models.families import family_of
 from vllm_afd.models.layout import ModelSplit
 from vllm_afd.models.moe_tail import MoEOutputParts
 from vllm_afd.models.remote import layer_index
@@ -173,6 +174,8 @@ class FFNLayers:
         self.layers: dict[int, LayerFn] = {}
         self.compiled: dict[int, LayerFn] = {}
         gate_on_attn = afd.compute_gate_on_attention
+        family = family_of(split.arch)
+        tail = family is not None and family.block_tail
         for name in split.prefixes.routed_experts:
             runner = model.get_submodule(name)
             idx = layer_index(name)
@@ -183,6 +186,8 @@ class FFNLayers:
                 fn: LayerFn = _runner_call(runner)
             else:
                 fn = model.get_submodule(name.rsplit(".", 1)[0])
+                if tail:
+                    fn = _runner_output_in(fn, runner)
             if split.moe_output_parts == 2:
                 fn = MoEOutputParts(fn, runner).forward
             self.layers[idx] = fn
@@ -328,6 +333,27 @@ class _NoSharedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(hidden)
+
+
+def _runner_output_in(block: nn.Module, runner: Any) -> LayerFn:
+    """The MoE block on ``hidden``, returning what its MoE layer returned
+    inside it: the block's own steps after that (a ``block_tail`` family's)
+    run on attention, which runs the native block around what it receives."""
+    native = runner.forward
+    out: list[torch.Tensor] = []
+
+    def capture(*args: Any, **kwargs: Any) -> torch.Tensor:
+        result = native(*args, **kwargs)
+        out.append(result)
+        return result
+
+    runner.forward = capture
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        block(hidden)
+        return out.pop()
+
+    return run
 
 
 def _runner_call(runner: Any) -> LayerFn:

@@ -48,12 +48,6 @@ TRIED: dict[str, str] = {
         "does not write (`score_func`): plain vLLM fails on a "
         "transformers-written checkpoint; no record yet"
     ),
-    "MiMoV2FlashForCausalLM": (
-        "vLLM's module reads the original release's config keys "
-        "(`hybrid_layer_pattern`, `swa_*`) that transformers' "
-        "`MiMoV2FlashConfig` does not write: plain vLLM fails on a "
-        "transformers-written checkpoint; no record yet"
-    ),
     "LongcatFlashForCausalLM": (
         "vLLM's module reads config keys that transformers' "
         "`LongcatFlashConfig` does not write (`mla_scale_q_lora`): plain vLLM "

@@ -110,6 +110,14 @@ def derive_split(
     ) + tuple(f"{h}.{part}" for h in holders for part in family.gate_parts)
     moe_layers = tuple(sorted(layer_index(b) for b in blocks))
     dense_layers = tuple(sorted(layer_index(p) for p in recorded.dense_mlps))
+    both = sorted(set(moe_layers) & set(dense_layers))
+    if both and not afd.compute_gate_on_attention:
+        raise AFDConfigError(
+            f"{arch}: layers {both} each run a dense MLP beside their MoE block "
+            "(the FFN role would get two per layer), so the gate runs on the "
+            "attention role, where the dense MLPs then run: set "
+            "afd.compute_gate_on_attention to true"
+        )
     remote = moe_layers if afd.compute_gate_on_attention else dense_layers + moe_layers
     shared = all(_has_shared_experts(r) for r in runners.values())
     return ModelSplit(

@@ -274,9 +274,13 @@ _EXPERT_WIDE = (
 HF_ARCHS = tuple(_FAMILIES)
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2",)
-#: families AFD serves with the gate on the attention role only (their
-#: record's ``layer_holds_moe``: no MoE block class the FFN role could run)
-GATE_ON_ATTENTION_ARCHS = tuple(f.name for f in FAMILIES if f.layer_holds_moe)
+#: families AFD serves with the gate on the attention role only: a record's
+#: ``layer_holds_moe`` (no MoE block class the FFN role could run), and those
+#: whose layers run a dense MLP beside the MoE block (refused by the split)
+GATE_ON_ATTENTION_ARCHS = (
+    *(f.name for f in FAMILIES if f.layer_holds_moe),
+    "granitemoeshared",
+)
 #: families plain vLLM serves on CPU in another dtype than fp32 only: its CPU
 #: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN
 #: attention requires BF16"
