@@ -1,23 +1,23 @@
 """Every model family through the one generic role split, exact against plain vLLM.
 
 For each family ``vllm-afd tiny-model`` writes (3 layers; layer 0 dense where
-the family has dense layers), with the gate on the attention role: Mixtral
-1A1F and Qwen2-MoE 2A1F on the synchronous connector (``p2p``), Qwen3-MoE
-1A2F and GLM-4.5 2A2F on the ``async`` connector (the routed experts split
-over the two FFN ranks; GLM-4.5's shared experts on FFN rank 0); and Mixtral
-also with the gate on the FFN role; the families served since, each at
-1A1F with the gate on attention (gpt-oss at 2A1F). Each is compared token-for-token (and
-top-5 logprobs) with one plain vLLM server of the same model and settings
-(fp32, eager) on 16 prompts of 1 to 200 tokens sent at once (long prefills
-beside decodes). Each deployment also proves the role split from the roles'
-own start-up lines: the attention role holds no expert weights, the FFN role
-no attention, embedding, norm or lm_head weights, both read the same split
-from what vLLM built, and an ``async`` FFN rank keeps its own half of the
-routed experts only. Last, one of the Qwen3-MoE deployment's FFN ranks is
-killed mid-stream (``async`` has no rejoin: every role stops, naming it),
-after its counters gave ``vllm-afd bench-ttft``'s per-request breakdown.
-DeepSeek-V2/V3 run the same split in ``test_exact_1a1f.py``,
-``test_gate_on_attention.py`` and ``test_scale_out.py``.
+the family has dense layers), with the gate on the attention role: Mixtral 1A1F
+and Qwen2-MoE 2A1F on the synchronous connector (``p2p``), Qwen3-MoE 1A2F and
+GLM-4.5 2A2F on the ``async`` connector (the routed experts split over the two
+FFN ranks; GLM-4.5's shared experts on FFN rank 0); the families served since,
+each at 1A1F with the gate on attention (gpt-oss at 2A1F) but Cohere2-MoE, with
+the gate on the FFN role. Each is compared token-for-token (and top-5 logprobs)
+with one plain vLLM server of the same model and settings (fp32, eager) on 16
+prompts of 1 to 200 tokens sent at once (long prefills beside decodes). Each
+deployment also proves the role split from the roles' own start-up lines: the
+attention role holds no expert weights, the FFN role no attention, embedding,
+norm or lm_head weights, both read the same split from what vLLM built, and an
+``async`` FFN rank keeps its own half of the routed experts only. Last, one of
+the Qwen3-MoE deployment's FFN ranks is killed mid-stream (``async`` has no
+rejoin: every role stops, naming it), after its counters gave
+``vllm-afd bench-ttft``'s per-request breakdown. DeepSeek-V2/V3 run the same split in
+``test_exact_1a1f.py``, ``test_gate_on_attention.py`` and
+``test_scale_out.py``.
 """
 
 from __future__ import annotations
@@ -104,15 +104,15 @@ EXPERT_BIASES = ("gpt_oss",)
 # family with the gate on the attention role, where the split is the family's
 # own (its router taken out of the MoE block, routing payloads sent): two on
 # the synchronous connector, one of them (Qwen2-MoE: a shared expert with its
-# own gate) with two attention ranks merged on the FFN (routing payloads of
-# two ranks); two on the async one, experts split over two FFN ranks. With the
-# gate on the FFN role the FFN runs the family's MoE block as vLLM built it:
-# Mixtral here (its router runs before the fused-MoE runner, no shared
-# experts), Qwen3-MoE in test_faults.py (1A1F, 2A1F) and test_multi_host.py,
-# DeepSeek-V2/V3 in test_exact_1a1f.py. The merge itself is
-# family-independent (tests/connector contract suite, 2A1F in test_faults.py).
+# own gate) with two attention ranks merged on the FFN (routing payloads of two
+# ranks); two on the async one, experts split over two FFN ranks. With the gate
+# on the FFN role the FFN runs the family's MoE block as vLLM built it:
+# Cohere2-MoE here (its router runs before the fused-MoE runner, its block
+# changes the runner's output after it), Qwen3-MoE in test_faults.py (1A1F,
+# 2A1F) and test_multi_host.py, DeepSeek-V2/V3 in test_exact_1a1f.py. The merge
+# itself is family-independent (tests/connector contract suite, 2A1F in
+# test_faults.py).
 CASES = [
-    ("mixtral", 1, 1, False, "p2p"),
     ("mixtral", 1, 1, True, "p2p"),
     ("qwen2_moe", 2, 1, True, "p2p"),
     # the families served since: each at 1A1F with its router on attention;
@@ -127,7 +127,10 @@ CASES = [
     ("granitemoeshared", 1, 1, True, "p2p"),
     ("qwen3_next", 1, 1, True, "p2p"),
     ("exaone_moe", 1, 1, True, "p2p"),
-    ("cohere2_moe", 1, 1, True, "p2p"),
+    # gate on FFN: the router before the runner, the block's tail after it
+    # (``block_tail``: the FFN returns the MoE layer's output, attention's
+    # block averages it with the shared expert's)
+    ("cohere2_moe", 1, 1, False, "p2p"),
     ("gemma4", 1, 1, True, "p2p"),
     ("mimo_v2", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
@@ -148,8 +151,8 @@ if os.environ.get("AFD_TEST_FAMILY_GATES") == "1":
     CASES += [
         (f, 1, 1, False, "p2p")
         for f in LAYOUTS
-        if f != "mixtral" and f not in GATE_ON_ATTENTION_ARCHS
-    ]
+        if f != "cohere2_moe" and f not in GATE_ON_ATTENTION_ARCHS
+    ] + [("cohere2_moe", 1, 1, True, "p2p")]
 
 
 #: with 2 attention ranks the FFN's merged batch holds other rows than plain
