@@ -101,7 +101,7 @@ def run_demo(args: argparse.Namespace) -> int:
         port=args.port,
         afd_port=args.afd_port,
         vllm_args=demo_vllm_args(args.arch),
-        # a family with no MoE block class routes on attention only
+        # families served with the gate on attention only (tiny_hf says why)
         gate_on_attention=args.arch in GATE_ON_ATTENTION_ARCHS,
     )
     print("starting AFD 1A1F (attention + FFN) ...", flush=True)
