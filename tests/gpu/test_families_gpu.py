@@ -22,7 +22,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 ATOL = 1e-2
 GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
-FAMILIES = ("llama4", "granitemoeshared", "qwen3_next")
+FAMILIES = (
+    "llama4",
+    "granitemoeshared",
+    "qwen3_next",
+    "exaone_moe",
+    "cohere2_moe",
+    "gemma4",
+    "mimo_v2",
+)
 #: what a family needs beyond vLLM's own wheel on a GPU host
 NEEDS = {"qwen3_next": "cutlass"}
 

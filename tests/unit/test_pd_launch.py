@@ -10,6 +10,8 @@ import pytest
 
 from vllm_afd.cli import main as cli
 from vllm_afd.deploy import DeploymentSpec, LaunchError, role_processes
+from vllm_afd.deploy.commands import memory_budget
+from vllm_afd.deploy.memory import GPU_UTILIZATION
 from vllm_afd.deploy.pd import (
     DEFAULT_KV_CONNECTOR,
     PREFILL_AFD_PORT_OFFSET,
@@ -251,6 +253,43 @@ def test_on_cpu_an_afd_prefill_deployment_takes_kv_and_ffn_shares(monkeypatch) -
     attention = role_processes(prefill_deployment_spec(afd, KV), budget=budget)[-1]
     size = vllm_arg(attention.argv, "--kv-cache-memory-bytes")
     assert size == budget.attention_args[1]
+
+
+def test_on_one_gpu_the_prefill_side_takes_a_share_of_it(monkeypatch) -> None:
+    """Beside decode roles sharing a GPU, a prefill server given no devices
+    (it sees the GPU first) is sized like an attention rank, where vLLM's
+    default of 0.9 of the GPU would not fit; on a GPU of its own it is not."""
+    import vllm_afd.deploy.commands as commands
+    import vllm_afd.deploy.pd as pd
+
+    monkeypatch.setattr(commands, "checkpoint_bytes", lambda model: 1 << 30)
+    monkeypatch.setattr(commands, "gpu_total_bytes", lambda device: 100 << 30)
+    monkeypatch.setattr(pd, "visible_gpus", lambda: ["0"])
+    one_gpu = _spec(attention_devices="0", ffn_devices="0")
+    alone = memory_budget(one_gpu)
+    spec = PDSpec.make(one_gpu, prefill=1, port=9000)
+    budget = pd_budget(spec)
+    ffn_share = float(alone.ffn_args[1])
+    assert budget.ffn_args == alone.ffn_args
+    # two attention-sized holders of what the FFN rank leaves
+    assert float(alone.attention_args[1]) == pytest.approx(GPU_UTILIZATION - ffn_share)
+    assert float(budget.attention_args[1]) == pytest.approx(
+        (GPU_UTILIZATION - ffn_share) / 2, abs=0.011
+    )
+    prefills, _ = pd_processes(spec, KV, budget)
+    share = vllm_arg(prefills[0].argv, "--gpu-memory-utilization")
+    assert share == budget.attention_args[1]
+    # an AFD prefill deployment: its attention and FFN ranks take shares too
+    afd = PDSpec.make(one_gpu, prefill=AFDPrefill(1, 1), port=9000)
+    shares = pd_budget(afd)
+    assert float(shares.attention_args[1]) == pytest.approx(
+        (GPU_UTILIZATION - 2 * ffn_share) / 2, abs=0.011
+    )
+    # the prefill server on another GPU: the decode roles keep theirs
+    apart = PDSpec.make(one_gpu, prefill=1, port=9000, prefill_devices="1")
+    assert pd_budget(apart) == alone
+    prefills, _ = pd_processes(apart, KV, pd_budget(apart))
+    assert vllm_arg(prefills[0].argv, "--gpu-memory-utilization") is None
 
 
 def test_launch_dry_run_with_an_afd_prefill_deployment(capsys) -> None:

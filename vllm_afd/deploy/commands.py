@@ -57,9 +57,10 @@ def memory_budget(
     """How the role processes of ``node`` share its memory
     (:mod:`vllm_afd.deploy.memory`): a CPU host's RAM, or a GPU that roles
     or attention ranks share. ``extra_kv_workers``: other KV-cache holders
-    of this CPU host that take the attention workers' share (the prefill
-    servers of a PD deployment); ``extra_ffn_workers``: other FFN workers
-    of this CPU host (an AFD prefill deployment's).
+    of this CPU host, or of the GPU both roles share, that take an attention
+    worker's share (the prefill servers of a PD deployment);
+    ``extra_ffn_workers``: other FFN workers there (an AFD prefill
+    deployment's).
 
     Raises:
         MemoryBudgetError: they cannot share it; the message has the numbers.
@@ -83,6 +84,8 @@ def memory_budget(
         )
     per_device = spec.attention_ranks_per_device()
     shared = spec.shared_gpus()
+    if not shared:
+        extra_kv_workers = extra_ffn_workers = 0  # they are not on a shared GPU
     if not shared and per_device == 1:
         return MemoryBudget()
     _, ffn_devices = spec.role_devices()
@@ -91,8 +94,8 @@ def memory_budget(
         if shared and shared[0] in (ffn_devices[k] or "").split(",")
     ]  # fmt: skip
     return gpu_budget(
-        ffn_per_gpu=len(ffn_here),
-        attention_per_gpu=per_device if attention else 0,
+        ffn_per_gpu=len(ffn_here) + extra_ffn_workers,
+        attention_per_gpu=(per_device if attention else 0) + extra_kv_workers,
         weight_bytes=checkpoint_bytes(spec.model),
         total=gpu_total_bytes(shared[0]) if shared and ffn_here else None,
         attention_set=sets_memory(att_args),

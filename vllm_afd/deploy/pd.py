@@ -71,6 +71,7 @@ from vllm_afd.deploy.spec import (
     KV_TRANSFER_FLAG,
     DeploymentSpec,
     ffn_kv_refusal,
+    visible_gpus,
     vllm_arg,
     without_option,
 )
@@ -284,11 +285,41 @@ class PDSpec:
         return f"AFD {self.prefill_afd.name} prefill"
 
 
+def shares_budget(spec: PDSpec) -> bool:
+    """Whether the prefill side takes shares of the decode roles' budget
+    (:func:`pd_budget`)."""
+    return on_cpu(spec.decode) or prefill_shares_decode_gpu(spec)
+
+
+def prefill_shares_decode_gpu(spec: PDSpec) -> bool:
+    """Whether the prefill side's first GPU is one the decode roles share
+    (a one-GPU host): ``--prefill-devices``' first; else an AFD prefill
+    deployment's is the decode attention's first and a plain prefill
+    server's the first GPU it sees (its devices are inherited). It then
+    takes a share of that GPU like an attention rank (an AFD prefill
+    deployment's FFN ranks like FFN ranks), where vLLM's default would ask
+    for 0.9 of it beside the decode roles."""
+    decode = spec.decode
+    if on_cpu(decode) or not (shared := decode.shared_gpus()):
+        return False
+    if spec.prefill_devices:
+        devices = spec.prefill_devices
+    elif spec.prefill_afd is not None:
+        devices = decode.attention_devices or ""
+    else:
+        devices = ",".join(visible_gpus()[:1])
+    return devices.split(",")[0].strip() in shared
+
+
 def pd_budget(spec: PDSpec) -> MemoryBudget:
-    """The decode roles' memory shares (:func:`memory_budget`); on CPU the
-    prefill servers (an AFD prefill deployment's attention ranks) are KV
-    holders beside the attention workers and share their KV budget, and an
-    AFD prefill deployment's FFN ranks take FFN shares."""
+    """The decode roles' memory shares (:func:`memory_budget`); on CPU, or
+    on a GPU the decode roles share with the prefill side
+    (:func:`prefill_shares_decode_gpu`), the prefill servers (an AFD prefill
+    deployment's attention ranks) are KV holders beside the attention
+    workers and take their share, and an AFD prefill deployment's FFN ranks
+    take FFN shares."""
+    if not shares_budget(spec):
+        return memory_budget(spec.decode)
     afd = spec.prefill_afd
     if afd is None:
         return memory_budget(spec.decode, extra_kv_workers=spec.prefill)
@@ -412,8 +443,9 @@ def pd_processes(
     kv = [KV_TRANSFER_FLAG, side_config(kv_config, "kv_producer")]
     host = "127.0.0.1" if decode.api_host is None else decode.api_host
     first = spec.first_prefill_port()
-    # on CPU, the prefill servers' share of the host's KV budget
-    mine = sets_memory(spec.prefill_args) or not on_cpu(decode)
+    # on CPU, or on the GPU the decode roles share, the prefill servers'
+    # share of the host's KV budget or of the GPU
+    mine = sets_memory(spec.prefill_args) or not shares_budget(spec)
     memory = [] if mine else list(budget.attention_args)
     prefills: list[RoleProcess] = []
     if spec.prefill_afd is not None:
@@ -505,8 +537,8 @@ class PDDeployment:
                 prefill,
                 log=log,
                 log_dir=log_dir,
-                # on a GPU its roles share its own devices
-                budget=self.budget if on_cpu(prefill) else None,
+                # on GPUs of their own its roles share them alone
+                budget=self.budget if shares_budget(spec) else None,
                 group="prefill-",
             )
         # an AFD prefill deployment that ended: when it starts again, and
@@ -712,7 +744,7 @@ def pd_dry_run(spec: PDSpec, kv_dir: Path) -> str:
         out.append(shlex.join(["vllm-afd", *proc.argv[3:]]))
     if spec.prefill_afd is not None:
         prefill = prefill_deployment_spec(spec, kv)
-        shares = budget if on_cpu(prefill) else None
+        shares = budget if shares_budget(spec) else None
         out.append(dry_run(prefill, budget=shares, group="prefill-"))
     if spec.plain_decode:
         server = PlainDecode(plain_decode_spec(spec, kv, budget), None, None).server
