@@ -21,7 +21,7 @@ import torch
 from _scenarios import free_port
 
 from vllm_afd.config import parse_afd_config
-from vllm_afd.connector import Fingerprint, Routing
+from vllm_afd.connector import Fingerprint, Routing, async_ep
 from vllm_afd.connector.async_ep import AsyncAttention, AsyncFFN, ExpertSlices
 from vllm_afd.connector.async_wire import FrameKind, FrameReader, encode_header
 from vllm_afd.connector.factory import create_async_endpoint, create_connector
@@ -189,6 +189,112 @@ def test_more_ffn_ranks_than_experts_are_refused():
     with pytest.raises(AFDConfigError, match="exceeds the model's 2 routed experts"):
         ExpertSlices(2, 3)
     assert [ExpertSlices(8, 3).bounds(r) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+
+
+def _reference_groups(slices: ExpertSlices, routing: Routing, shared: bool) -> list:
+    """The grouping as first written: one owner mask, row pick and bincount
+    per FFN rank, on the CPU."""
+    ids, weights = routing.topk_ids, routing.topk_weights
+    owner = slices.owners()[ids.long()]
+    ranks, groups = slices.num_ffn_ranks, []
+    for f in range(ranks):
+        local = owner == f
+        rows = None
+        if ranks > 1 and not (shared and f == 0):
+            chosen = local.any(dim=1)
+            if not bool(chosen.any()):
+                continue
+            rows = chosen.nonzero().squeeze(1)
+            if rows.numel() == ids.shape[0]:
+                rows = None
+        lo, hi = slices.bounds(f)
+        mine, f_ids, f_w = (
+            t if rows is None else t[rows] for t in (local, ids, weights)
+        )
+        ids_f = torch.where(mine, f_ids, lo).to(torch.int32)
+        w_f = torch.where(mine, f_w, 0.0).to(torch.float32)
+        counts = torch.bincount(ids_f[mine].long() - lo, minlength=hi - lo)
+        groups.append((f, rows, ids_f, w_f, tuple(int(c) for c in counts)))
+    return groups
+
+
+def _reference_combine(hidden, sent, replies, parts: int) -> torch.Tensor:
+    """The combine as first written: zeros, each rank's part as float32
+    added in rank order, one rounding."""
+    tokens, width = hidden.shape
+    routed = torch.zeros(tokens, width, dtype=torch.float32)
+    out = hidden.new_empty((tokens, parts * width))
+    for f, rows, _ in sent:
+        part = replies[f][:, (parts - 1) * width :].float()
+        if rows is None:
+            routed += part
+        else:
+            routed.index_add_(0, rows, part)
+        if parts == 2 and f == 0:
+            out[:, :width] = replies[f][:, :width]
+    out[:, (parts - 1) * width :] = routed
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)  # tells -0.0 from 0.0, unlike ==
+
+
+@pytest.mark.parametrize(
+    ("ranks", "shared", "dtype"),
+    [
+        (1, False, torch.bfloat16),
+        (2, False, torch.float32),
+        (2, True, torch.bfloat16),
+        (3, False, torch.bfloat16),
+        (3, True, torch.float32),
+    ],
+)
+def test_grouping_and_combine_match_the_per_rank_reference_bit_for_bit(
+    ranks, shared, dtype
+):
+    experts, top_k, width = 12, 3, 8
+    slices = ExpertSlices(experts, ranks)
+    owners = slices.owners()
+    buffers = async_ep.HostBuffers()
+    g = torch.Generator().manual_seed(7 * ranks + shared)
+    # random rows (some choose no expert of a rank), every row on rank 1's
+    # first expert, no row on the last rank, and no rows at all; the kept
+    # buffers serve shapes large and small in turn
+    for case, tokens in [("random", 37), ("rank1", 29), ("not-last", 41),
+                         ("random", 5), ("random", 0)]:  # fmt: skip
+        ids = torch.rand(tokens, experts, generator=g).argsort(1)[:, :top_k]
+        if case == "rank1" and ranks > 1:
+            lo = slices.bounds(1)[0]
+            ids[:, 0] = torch.where((ids[:, 1:] == lo).any(1), ids[:, 0], lo)
+        if case == "not-last":
+            lo, hi = slices.bounds(ranks - 1)
+            ids = ids % lo if lo else ids
+        routing = Routing(torch.rand(tokens, top_k, generator=g), ids.to(torch.int32))
+        groups = async_ep.group_rows(owners, slices, routing, shared)
+        want = _reference_groups(slices, routing, shared)
+        assert [gr.rank for gr in groups] == [w[0] for w in want], case
+        for gr, (_, rows, ids_f, w_f, counts) in zip(groups, want, strict=True):
+            assert (gr.rows is None) == (rows is None), case
+            if rows is not None:
+                assert torch.equal(gr.rows, rows)
+            assert torch.equal(gr.ids, ids_f) and gr.ids.dtype == torch.int32
+            assert torch.equal(_bits(gr.weights), _bits(w_f))
+            assert gr.counts == counts
+        for parts in (1, 2) if shared or ranks == 1 else (1,):
+            hidden = torch.randn(tokens, width, generator=g).to(dtype)
+            sent = [(gr.rank, gr.rows, 0) for gr in groups]
+            replies = {}
+            for gr in groups:
+                reply = torch.randn(gr.ids.shape[0], parts * width, generator=g)
+                reply[::3, ::2] = -0.0  # signed zeros must add up as before
+                replies[gr.rank] = reply.to(dtype)
+            got = async_ep._combine(hidden, sent, replies, parts, buffers)
+            ref = _reference_combine(hidden, sent, replies, parts)
+            if async_ep._as_is(sent):
+                ref = replies[sent[0][0]]
+            assert got.dtype == dtype and got.shape == ref.shape, case
+            assert torch.equal(_bits(got), _bits(ref)), (case, parts)
 
 
 def test_config_implies_gate_on_attention_and_refuses_what_async_cannot_do():

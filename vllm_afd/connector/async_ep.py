@@ -27,6 +27,19 @@ the partial sums in float32 and rounds once: the same sum in another order,
 equal to plain vLLM's in float32 up to rounding (greedy output identical on
 the test models, logprobs within 1e-4), not bit for bit.
 
+Host work: the rows may live on a GPU; the frames leave from host memory.
+The attention rank groups on the rows' device (one owner lookup, one
+per-expert count, the rows each FFN rank gets, their ids and weights), then
+copies only each work item into a host buffer of its FFN rank that it keeps
+from one exchange to the next (pinned for a CUDA device, so the copies run
+asynchronously and one wait covers them all), and adds the replies on the
+device again. On the CPU a work item of every row is sent from the rows
+themselves and any other is gathered straight into its buffer. Buffers are
+kept because a fresh host buffer of tens of MiB costs a page fault per 4 KiB
+on first touch, more than the copy into it; the output, which the caller
+keeps, is the one host tensor an exchange allocates afresh (besides the
+received frames).
+
 Waits: an attention rank waits at most ``timeout_s`` (``warmup_timeout_s``
 for start-up forwards) for its replies, and sees at once an FFN rank that
 exited (EOF) or shut down. An FFN rank's wait for the next item is its idle
@@ -45,6 +58,7 @@ on the other.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -63,6 +77,7 @@ from vllm_afd.connector.async_wire import (
     FrameKind,
     FrameReader,
     encode_header,
+    fresh_buffer,
     payload_bytes,
     send_all,
 )
@@ -272,7 +287,9 @@ class AsyncAttention(AsyncEndpoint):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._owners = self.slices.owners()
+        #: the FFN rank of each expert, on each device rows came from
+        self._owners: dict[torch.device, torch.Tensor] = {}
+        self._buffers = HostBuffers()
         self._failure: str | None = None
         #: the FFN rank whose failure ended this endpoint (None: none yet)
         self.lost_rank: int | None = None
@@ -290,7 +307,8 @@ class AsyncAttention(AsyncEndpoint):
         timeout_s: float,
     ) -> torch.Tensor:
         """The MoE output parts of ``hidden [T, H]`` routed by ``routing``:
-        ``[T, parts * H]`` (``parts`` 2: shared | routed, added by the caller).
+        ``[T, parts * H]`` (``parts`` 2: shared | routed, added by the caller)
+        on ``hidden``'s device, where ``routing`` must be too.
 
         Raises:
             AFDTimeoutError: a reply took longer than ``timeout_s``.
@@ -308,12 +326,12 @@ class AsyncAttention(AsyncEndpoint):
         try:
             with self._io:
                 sent = self._dispatch(layer, hidden, routing, shared_experts, timeout_s)
-                replies = self._collect(layer, sent, timeout_s)
+                replies = self._collect(layer, sent, timeout_s, hidden.device)
         except AFDConnectorError as e:
             self._errors += 1
             self._failure = str(e)
             raise
-        return _combine(hidden, sent, replies, parts)
+        return _combine(hidden, sent, replies, parts, self._buffers)
 
     def _dispatch(
         self,
@@ -324,57 +342,93 @@ class AsyncAttention(AsyncEndpoint):
         timeout_s: float,
     ) -> Sent:
         """Send each FFN rank its work item; ``(rank, rows or None for all,
-        seq)`` of each sent, in rank order."""
-        ids, weights = routing.topk_ids, routing.topk_weights
-        tokens, top_k = ids.shape
-        owner = self._owners[ids.long()]
+        seq)`` of each sent, in rank order (rows on ``hidden``'s device).
+
+        Raises:
+            AFDPeerError: an FFN rank is gone or read nothing in ``timeout_s``.
+        """
+        top_k = routing.topk_ids.shape[1]
+        owners = self._owners.get(hidden.device)
+        if owners is None:
+            owners = self._owners[hidden.device] = self.slices.owners().to(
+                hidden.device
+            )
+        groups = group_rows(owners, self.slices, routing, shared_experts)
+        bodies = [self._stage(g, hidden) for g in groups]
+        if hidden.device.type == "cuda":
+            # the copies into pinned buffers were queued asynchronously on
+            # this stream: wait for them once before any frame leaves
+            torch.cuda.current_stream(hidden.device).synchronize()
         deadline = time.monotonic() + timeout_s
         sent = []
-        for f, link in enumerate(self.links):
-            local = owner == f
-            if len(self.links) == 1 or (shared_experts and f == SHARED_RANK):
-                rows = None
-            else:
-                chosen = local.any(dim=1)
-                if not bool(chosen.any()):
-                    continue
-                rows = chosen.nonzero().squeeze(1)
-                if rows.numel() == tokens:
-                    rows = None
-            lo, hi = self.slices.bounds(f)
-            mine = _pick(local, rows)
-            ids_f = torch.where(mine, _pick(ids, rows), lo).to(torch.int32)
-            w_f = torch.where(mine, _pick(weights, rows), 0.0).to(torch.float32)
-            counts = torch.bincount(ids_f[mine].long() - lo, minlength=hi - lo)
-            h_f = _pick(hidden, rows)
+        for g, body in zip(groups, bodies, strict=True):
+            link = self.links[g.rank]
             link.seq += 1
-            body = payload_bytes(h_f, ids_f, w_f)
             nbytes = sum(len(b) for b in body)
             head = encode_header(
                 FrameKind.WORK, dtype=hidden.dtype, layer=layer, seq=link.seq,
-                tokens=h_f.shape[0], cols=h_f.shape[1], top_k=top_k,
-                counts=tuple(int(c) for c in counts), nbytes=nbytes,
+                tokens=g.ids.shape[0], cols=hidden.shape[1], top_k=top_k,
+                counts=g.counts, nbytes=nbytes,
             )  # fmt: skip
             try:
                 link.send([head, *body], deadline)
             except AFDConnectorError:
-                self.lost_rank = f
+                self.lost_rank = g.rank
                 raise
             self._a2f += nbytes
-            sent.append((f, rows, link.seq))
+            sent.append((g.rank, g.rows, link.seq))
         return sent
+
+    def _stage(self, group: Group, hidden: torch.Tensor) -> list[memoryview]:
+        """The payload of ``group``'s work item in host memory: the rows
+        themselves for every row of CPU ``hidden``, else the rows, ids and
+        weights copied into the FFN rank's buffer (asynchronously from a CUDA
+        device: the caller waits for the stream before sending)."""
+        on_host = hidden.device.type == "cpu"
+        if on_host and group.rows is None:
+            return payload_bytes(hidden, group.ids, group.weights)
+        pinned = hidden.device.type == "cuda"
+        n, k = group.ids.shape
+        act = n * hidden.shape[1] * hidden.dtype.itemsize
+        buf = self._buffers.take(f"work{group.rank}", act + 8 * n * k, pinned)
+        rows = _view(buf, 0, hidden.dtype, (n, hidden.shape[1]))
+        if on_host:
+            assert group.rows is not None  # every row was sent as is above
+            torch.index_select(hidden, 0, group.rows, out=rows)
+        else:
+            rows.copy_(_pick(hidden, group.rows), non_blocking=pinned)
+        _view(buf, act, torch.int32, (n, k)).copy_(group.ids, non_blocking=pinned)
+        at = act + 4 * n * k
+        _view(buf, at, torch.float32, (n, k)).copy_(group.weights, non_blocking=pinned)
+        return payload_bytes(buf)
 
     def _collect(
         self,
         layer: int,
         sent: Sent,
         timeout_s: float,
+        device: torch.device,
     ) -> dict[int, torch.Tensor]:
-        """One REPLY per item sent: ``{rank: out [T_f, C]}``."""
+        """One REPLY per item sent: ``{rank: out [T_f, C]}`` in host memory,
+        valid until the next exchange unless the output is a CPU reply as it
+        is (:func:`_combine`; ``device``: the rows').
+
+        Raises:
+            AFDTimeoutError: a reply took longer than ``timeout_s``.
+            AFDPeerError: an FFN rank exited, shut down or broke the protocol.
+        """
         start = time.monotonic()
         deadline = start + timeout_s
         expect = {f: seq for f, _, seq in sent}
         got: dict[int, torch.Tensor] = {}
+        # Replies are read into kept buffers (pinned for a CUDA device), but
+        # for a CPU output that is a reply as it is, which the caller keeps.
+        if device.type != "cpu" or not _as_is(sent):
+            pinned = device.type == "cuda"
+            for f in expect:
+                self.links[f].reader.buffer_for = functools.partial(
+                    self._buffers.take, f"reply{f}", pinned=pinned
+                )
         try:
             while len(got) < len(expect):
                 waiting = [f for f in expect if f not in got]
@@ -401,6 +455,8 @@ class AsyncAttention(AsyncEndpoint):
                 select.select(socks, [], [], remaining)
         finally:
             self._wait_s += time.monotonic() - start
+            for f in expect:
+                self.links[f].reader.buffer_for = fresh_buffer
         self.lost_rank = None
         return got
 
@@ -481,6 +537,118 @@ class AsyncAttention(AsyncEndpoint):
         return None
 
 
+@dataclass
+class Group:
+    """One FFN rank's share of an exchange's rows, on their device.
+
+    Attributes:
+        rank: the FFN rank.
+        rows: ``[T_f]`` int64 indices of its rows, ascending; None for every
+            row in order.
+        ids: ``[T_f, K]`` int32 top-k of those rows, the pairs of other ranks'
+            experts on this rank's first expert (their weight is 0).
+        weights: ``[T_f, K]`` float32, 0 where the expert is another rank's.
+        counts: pairs routed to each of the rank's experts, in expert order.
+    """
+
+    rank: int
+    rows: torch.Tensor | None
+    ids: torch.Tensor
+    weights: torch.Tensor
+    counts: tuple[int, ...]
+
+
+def group_rows(
+    owners: torch.Tensor,
+    slices: ExpertSlices,
+    routing: Routing,
+    shared_experts: bool,
+) -> list[Group]:
+    """Which rows each FFN rank gets, with their routing there: a
+    :class:`Group` per rank that gets an item, in rank order. A rank no row
+    chose gets none, unless it gets every row anyway: the only rank, or rank
+    0 when the model has shared experts.
+
+    ``owners`` (:meth:`ExpertSlices.owners`) and ``routing`` on one device;
+    the groups' tensors are on it too. Reads from that device once for the
+    sizes, and once more for each rank that gets some rows but not all.
+    """
+    ids, weights = routing.topk_ids, routing.topk_weights
+    tokens = ids.shape[0]
+    ranks = slices.num_ffn_ranks
+    owner = owners[ids.long()]
+    # Which ranks each row chose, and the pairs on each expert: one read
+    # from the device for both (the per-rank counts are slices of the
+    # per-expert ones, as each rank's pairs are the pairs on its experts).
+    chose = torch.zeros(tokens, ranks, dtype=torch.bool, device=ids.device)
+    chose.scatter_(1, owner, True)
+    per_expert = torch.bincount(ids.reshape(-1).long(), minlength=slices.num_experts)
+    sizes = torch.cat([chose.sum(0), per_expert]).tolist()
+    rows_of, counts = sizes[:ranks], sizes[ranks:]
+    groups = []
+    for f in range(ranks):
+        rows: torch.Tensor | None = None
+        if ranks > 1 and not (shared_experts and f == SHARED_RANK):
+            if rows_of[f] == 0:
+                continue
+            if rows_of[f] < tokens:
+                rows = chose[:, f].nonzero().squeeze(1)
+        lo, hi = slices.bounds(f)
+        mine = _pick(owner, rows) == f
+        ids_f = torch.where(mine, _pick(ids, rows), lo).to(torch.int32)
+        w_f = torch.where(mine, _pick(weights, rows), 0.0).to(torch.float32)
+        groups.append(Group(f, rows, ids_f, w_f, tuple(counts[lo:hi])))
+    return groups
+
+
+class HostBuffers:
+    """Host byte buffers kept from one exchange to the next, by name, each
+    grown (by half at least) when a larger one is asked for.
+
+    A fresh host buffer of tens of MiB costs a page fault per 4 KiB the first
+    time it is written, more than the copy into it; the CUDA caching
+    allocator already keeps device memory, so buffers on a device are not
+    kept here.
+    """
+
+    def __init__(self) -> None:
+        #: name -> (buffer, pinned)
+        self._bufs: dict[str, tuple[torch.Tensor, bool]] = {}
+
+    def take(self, name: str, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        """``[nbytes]`` uint8 of buffer ``name`` (pinned: page-locked, for
+        asynchronous copies from a CUDA device); its contents are whatever
+        the last user left."""
+        buf, was_pinned = self._bufs.get(name, (None, pinned))
+        if buf is None or buf.numel() < nbytes or was_pinned != pinned:
+            size = nbytes if buf is None else max(nbytes, buf.numel() * 3 // 2)
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            self._bufs[name] = buf, pinned
+        return buf[:nbytes]
+
+    def scratch(
+        self,
+        name: str,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """An uninitialised ``shape`` tensor on ``device``: a view of buffer
+        ``name`` on the CPU, a fresh tensor on any other device."""
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        return _view(
+            self.take(name, shape[0] * shape[1] * dtype.itemsize), 0, dtype, shape
+        )
+
+
+def _view(
+    buf: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple[int, int]
+) -> torch.Tensor:
+    """``buf[at:]`` (uint8) as a ``shape`` tensor of ``dtype``."""
+    return buf[at : at + shape[0] * shape[1] * dtype.itemsize].view(dtype).view(shape)
+
+
 def _pick(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
@@ -490,25 +658,45 @@ def _combine(
     sent: Sent,
     replies: dict[int, torch.Tensor],
     parts: int,
+    buffers: HostBuffers,
 ) -> torch.Tensor:
-    """``[T, parts * H]`` from the replies: the routed parts added in rank
-    order in float32 and rounded once; the shared part from its rank."""
-    if len(sent) == 1 and sent[0][1] is None:
-        return replies[sent[0][0]]  # one rank had every row: its output as is
+    """``[T, parts * H]`` on ``hidden``'s device from the (host) replies: the
+    routed parts added in rank order in float32 and rounded once; the shared
+    part from its rank."""
+    device = hidden.device
+    if _as_is(sent):
+        return replies[sent[0][0]].to(device)
     tokens, width = hidden.shape
-    routed = torch.zeros(tokens, width, dtype=torch.float32)
     out = hidden.new_empty((tokens, parts * width))
+    in_place = hidden.dtype == torch.float32  # rounding to it is no rounding
+    if in_place:
+        routed = out[:, (parts - 1) * width :]
+    else:
+        routed = buffers.scratch("routed", (tokens, width), torch.float32, device)
+    # from zeros, not a copy of the first part: 0.0 + -0.0 is 0.0
+    routed.zero_()
     for f, rows, _ in sent:
-        reply = replies[f]
-        part = reply[:, (parts - 1) * width :].float()
+        reply = replies[f].to(device)
+        part = reply[:, (parts - 1) * width :]
         if rows is None:
-            routed += part
+            routed += part  # in float32 (type promotion), as part.float() would
         else:
+            if part.dtype != torch.float32:  # index_add_ wants one dtype
+                shape = (part.shape[0], part.shape[1])
+                wide = buffers.scratch("part", shape, torch.float32, device)
+                part = wide.copy_(part)
             routed.index_add_(0, rows, part)
         if parts == 2 and f == SHARED_RANK:
             out[:, :width] = reply[:, :width]  # rank 0 had every row
-    out[:, (parts - 1) * width :] = routed
+    if not in_place:
+        out[:, (parts - 1) * width :] = routed
     return out
+
+
+def _as_is(sent: Sent) -> bool:
+    """Whether the exchange's output is its one reply as it is (one rank
+    had every row)."""
+    return len(sent) == 1 and sent[0][1] is None
 
 
 class AsyncFFN(AsyncEndpoint):
@@ -671,7 +859,8 @@ def build(
     extra: dict[str, Any],
     limits: ExchangeLimits,
 ) -> AsyncEndpoint:
-    """Factory hook for ``async`` (CPU tensors only)."""
+    """Factory hook for ``async``: the endpoint's frames are host memory
+    (``device`` must be the CPU); an exchange takes rows on any device."""
     if device.type != "cpu":
         raise AFDConfigError(
             f"afd.connector='async' moves CPU tensors; this endpoint's device is "

@@ -37,6 +37,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +136,26 @@ def payload_bytes(*tensors: torch.Tensor) -> list[memoryview]:
     ]
 
 
+def fresh_buffer(nbytes: int) -> torch.Tensor:
+    """A new ``[nbytes]`` uint8 CPU tensor: a frame's own payload buffer."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class FrameReader:
     """Reassembles frames from a non-blocking socket, one state machine per
-    connection: header, counts, then the payload straight into its buffer."""
+    connection: header, counts, then the payload straight into its buffer.
+
+    Attributes:
+        buffer_for: gives the ``[nbytes]`` uint8 CPU tensor a frame's payload
+            is read into, when its header is whole (default: a fresh one per
+            frame; a reader whose frames are done with before the next one
+            may hand out a kept buffer).
+    """
 
     def __init__(self, sock: socket.socket, peer: str, pending: bytes = b"") -> None:
         self.sock, self.peer = sock, peer
         self.eof = False
+        self.buffer_for: Callable[[int], torch.Tensor] = fresh_buffer
         self._buf = bytearray(pending)
         self._head: tuple | None = None
         self._counts: tuple[int, ...] = ()
@@ -204,7 +218,7 @@ class FrameReader:
             )
             del self._buf[: HEADER.size + 4 * n_counts]
             self._head = head
-            self._payload = torch.empty(nbytes, dtype=torch.uint8)
+            self._payload = self.buffer_for(nbytes)
             self._view = memoryview(self._payload.numpy()).cast("B")
             self._filled = 0
         assert self._view is not None and self._payload is not None

@@ -10,9 +10,10 @@ exchange answers it without step plans::
                                           experts of these rows, their replies
                                           added (``connector.async_ep``)
 
-On a GPU the rows and their routing are copied to host memory before the
-work items leave, and the combined output back (the frames travel over TCP;
-such a forward cannot be captured in a CUDA graph, which the config refuses).
+On a GPU the endpoint groups the rows there and copies only each FFN rank's
+work item to host memory, and adds the replies on the GPU (the frames
+travel over TCP; such a forward cannot be captured in a CUDA graph, which
+the config refuses).
 
 Losing an FFN rank (it exited, shut down, or did not answer in
 ``timeout_s``) is the synchronous connector's story (``worker.ffn_link``):
@@ -117,14 +118,12 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
             return _away(hidden, parts)
         slow = self._mode is not ExecMode.EAGER or not self._served
         timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
-        rows, device = hidden, hidden.device
-        if device.type != "cpu":
-            # frames leave from host memory: one copy each way per layer
-            rows, routing = hidden.cpu(), routing.to("cpu")
         try:
+            # on hidden's device: the endpoint copies to and from host memory
+            # only what crosses to each FFN rank
             out = endpoint.exchange(
-                layer_idx, rows.contiguous(), routing, parts, self.shared_experts,
-                timeout_s,
+                layer_idx, hidden, routing.to(hidden.device), parts,
+                self.shared_experts, timeout_s,
             )  # fmt: skip
         except AFDError as e:
             link = self.async_link
@@ -135,7 +134,7 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
             self.endpoint = None
             link.lost(str(e), endpoint.lost_rank)
             return _away(hidden, parts)
-        return out.to(device)
+        return out
 
 
 def _away(hidden: torch.Tensor, parts: int) -> torch.Tensor:
