@@ -292,6 +292,44 @@ def test_on_one_gpu_the_prefill_side_takes_a_share_of_it(monkeypatch) -> None:
     assert vllm_arg(prefills[0].argv, "--gpu-memory-utilization") is None
 
 
+@pytest.mark.parametrize("prefill_devices", [None, "1"])
+def test_on_a_shared_gpu_the_prefill_side_is_healthy_before_decode_starts(
+    monkeypatch, tmp_path, prefill_devices
+) -> None:
+    """vLLM sizes its KV cache from what the GPU frees while it starts: on
+    a GPU both sides share, the decode side starts once prefill is healthy;
+    on GPUs of their own both start together."""
+    import vllm_afd.deploy.commands as commands
+    import vllm_afd.deploy.pd as pd
+
+    monkeypatch.setattr(commands, "checkpoint_bytes", lambda model: 1 << 30)
+    monkeypatch.setattr(commands, "gpu_total_bytes", lambda device: 100 << 30)
+    monkeypatch.setattr(pd, "visible_gpus", lambda: ["0"])
+    spec = PDSpec.make(
+        _spec(attention_devices="0", ffn_devices="0"),
+        prefill=1,
+        port=9000,
+        prefill_devices=prefill_devices,
+    )
+    running = PDDeployment(spec, log=None, log_dir=tmp_path)
+    events: list[str] = []
+    prefill, router = running.prefills[0], running.router
+    monkeypatch.setattr(prefill, "start", lambda log: events.append("prefill"))
+    monkeypatch.setattr(router, "start", lambda log: events.append("router"))
+    monkeypatch.setattr(running.decode, "start", lambda t: events.append("decode"))
+
+    def wait(procs, deadline, timeout):
+        events.append("healthy: " + ",".join(p.name for p in procs))
+
+    monkeypatch.setattr(running, "_wait", wait)
+    running.start(ready_timeout=5)
+    if prefill_devices is None:
+        assert events[:3] == ["prefill", "healthy: prefill", "decode"]
+    else:
+        assert events[:2] == ["prefill", "decode"]
+    assert events[-2:] == ["router", "healthy: router"]
+
+
 def test_launch_dry_run_with_an_afd_prefill_deployment(capsys) -> None:
     argv = ["launch", "m", "--prefill", "2A1F", "--dry-run", "--", "--dtype", "float32"]
     assert cli.main(argv) == 0

@@ -572,13 +572,19 @@ class PDDeployment:
     def start(self, ready_timeout: float = 600.0) -> None:
         """Start the prefill servers and the decode deployment together (the
         decode side waits for nothing of prefill), then, once all are healthy,
-        the router; wait until it answers too.
+        the router; wait until it answers too. On a GPU both sides share
+        (:func:`prefill_shares_decode_gpu`) the prefill side first, the
+        decode side once it is healthy: a vLLM server sizes its KV cache
+        from the memory the GPU frees while it starts, so what another
+        allocates meanwhile would count as its own (seen: the decode server
+        left with no memory for its cache blocks).
 
         Raises:
             LaunchError: a process exited, or not all were healthy within
                 ``ready_timeout`` s (naming which); every process stopped.
         """
         deadline = time.monotonic() + ready_timeout
+        one_by_one = prefill_shares_decode_gpu(self.spec)
         for proc in self.prefills:
             proc.start(self.log)
         prefill = self.prefill_deployment
@@ -586,16 +592,22 @@ class PDDeployment:
             if prefill is not None:
                 prefill.launch()
                 self.prefill_started_at = time.monotonic()
-            self.decode.start(ready_timeout)
-            if prefill is not None:
-                prefill.wait_ready(max(deadline - time.monotonic(), 1.0))
-            self._wait(self.prefills, deadline, ready_timeout)
+            if one_by_one:
+                self._wait_prefill(deadline, ready_timeout)
+            self.decode.start(max(deadline - time.monotonic(), 1.0))
+            self._wait_prefill(deadline, ready_timeout)
             self.router.start(self.log)
             self._wait([self.router], deadline, ready_timeout)
         except BaseException:
             self.stop()
             raise
         self.ready = True
+
+    def _wait_prefill(self, deadline: float, timeout: float) -> None:
+        """Until the prefill side is healthy (or past ``deadline``)."""
+        if self.prefill_deployment is not None:
+            self.prefill_deployment.wait_ready(max(deadline - time.monotonic(), 1.0))
+        self._wait(self.prefills, deadline, timeout)
 
     def _wait(self, procs: list[RoleProcess], deadline: float, timeout: float) -> None:
         waiting = list(procs)
