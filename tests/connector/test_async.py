@@ -297,6 +297,29 @@ def test_grouping_and_combine_match_the_per_rank_reference_bit_for_bit(
             assert torch.equal(_bits(got), _bits(ref)), (case, parts)
 
 
+def test_an_ffn_rank_lends_its_kept_buffer_to_one_item_of_a_rank_at_a_time():
+    """Rows of attention rank a go into the buffer kept for a, lent to one
+    item until its reply: a frame arriving meanwhile gets a fresh buffer,
+    and the kept one serves the next item once the reply is out."""
+    ep = _endpoint("ffn", 2, 1, free_port(), 0)
+    assert isinstance(ep, AsyncFFN)
+    first = ep._buffer_for(0, 256)
+    meanwhile = ep._buffer_for(0, 256)
+    other_rank = ep._buffer_for(1, 256)
+    assert meanwhile.data_ptr() != first.data_ptr()
+    assert other_rank.data_ptr() not in (first.data_ptr(), meanwhile.data_ptr())
+    hidden, routing = _inputs(0, 0, 1, 2)
+    item = async_ep.WorkItem(0, 1, 1, hidden, routing, (), kept=True)
+    ep._release(item)  # as reply() does once the reply is sent
+    again = ep._buffer_for(0, 128)
+    assert again.data_ptr() == first.data_ptr()
+    ep._give_back(0, meanwhile)  # not the kept one: stays lent
+    assert ep._buffer_for(0, 64).data_ptr() != first.data_ptr()
+    ep._give_back(0, again)  # a frame that was no item (a SHUTDOWN)
+    assert ep._buffer_for(0, 512).numel() == 512  # grown, kept again
+    assert ep._buffer_for(0, 0).numel() == 0
+
+
 def test_config_implies_gate_on_attention_and_refuses_what_async_cannot_do():
     cfg = parse_afd_config(
         {"role": "attention", "connector": "async", "num_ffn_ranks": 2}

@@ -155,6 +155,8 @@ class WorkItem:
         hidden: ``[T, H]`` rows.
         routing: their ``[T, K]`` top-k, every id an expert of this rank.
         counts: rows routed to each local expert, in expert order.
+        kept: its rows are in the buffer the endpoint keeps for its source,
+            which the next item of that source may reuse once it is replied to.
     """
 
     source: int
@@ -163,6 +165,7 @@ class WorkItem:
     hidden: torch.Tensor
     routing: Routing
     counts: tuple[int, ...]
+    kept: bool = False
 
 
 class _Link:
@@ -702,7 +705,15 @@ def _as_is(sent: Sent) -> bool:
 class AsyncFFN(AsyncEndpoint):
     """An FFN rank's endpoint: work items from any attention rank, in
     arrival order (a receiving thread reads every connection as frames come,
-    so a sender never waits on this rank's compute)."""
+    so a sender never waits on this rank's compute).
+
+    An item's rows are read into a host buffer kept for its attention rank
+    (a fresh one of tens of MiB costs a page fault per 4 KiB), lent to the
+    item until its reply is sent: an attention rank sends its next item
+    once it has every reply, so one buffer per rank serves every item
+    unless an item arrives while its rank's last one is still out (it then
+    gets a fresh buffer).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -712,9 +723,14 @@ class AsyncFFN(AsyncEndpoint):
         self.lo, self.hi = self.slices.bounds(self.role_rank)
         #: attention rank -> the reason it shut down with
         self.shut_down: dict[int, str] = {}
+        self._buffers = HostBuffers()
+        #: attention rank -> the address of its kept buffer while lent
+        self._lent: dict[int, int] = {}
 
     def start(self) -> None:
         super().start()
+        for a, link in enumerate(self.links):
+            link.reader.buffer_for = functools.partial(self._buffer_for, a)
         self._thread = threading.Thread(
             target=self._receive, name="afd-async-recv", daemon=True
         )
@@ -735,11 +751,13 @@ class AsyncFFN(AsyncEndpoint):
                     if link.sock not in ready:
                         continue
                     for frame in link.reader.read():
+                        if frame.kind is FrameKind.WORK:
+                            self._items.put(self._item(a, frame))
+                            continue
+                        self._give_back(a, frame.payload)
                         if frame.kind is FrameKind.SHUTDOWN:
                             self.shut_down[a] = frame.reason
                             live.discard(a)
-                        elif frame.kind is FrameKind.WORK:
-                            self._items.put(self._item(a, frame))
                         else:
                             raise AFDProtocolError(
                                 f"attention rank {a} sent {frame.kind.name} where "
@@ -767,9 +785,26 @@ class AsyncFFN(AsyncEndpoint):
                 "the expert slices"
             )
         self._a2f += frame.payload.numel()
+        kept = self._lent.get(a) == frame.payload.data_ptr()
         return WorkItem(
-            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts
-        )
+            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts,
+            kept,
+        )  # fmt: skip
+
+    def _buffer_for(self, a: int, nbytes: int) -> torch.Tensor:
+        """The buffer a frame from attention rank ``a`` is read into: its
+        kept one unless that is lent (or the frame is empty)."""
+        if a in self._lent or not nbytes:
+            return fresh_buffer(nbytes)
+        buf = self._buffers.take(f"work{a}", nbytes)
+        self._lent[a] = buf.data_ptr()
+        return buf
+
+    def _give_back(self, a: int, payload: torch.Tensor) -> None:
+        """Attention rank ``a``'s kept buffer is free again, if ``payload``
+        (what a frame or item was read into) was it."""
+        if self._lent.get(a) == payload.data_ptr():
+            del self._lent[a]
 
     def rejoining(self) -> str | None:
         """Once every attention rank shut down: why the session re-forms
@@ -822,6 +857,7 @@ class AsyncFFN(AsyncEndpoint):
         try:
             self.links[item.source].send([head, *body], deadline)
         except AFDConnectorError as e:
+            self._release(item)
             # The receiving thread decides what the loss means: the rank's
             # SHUTDOWN (it left to rendezvous again, or stopped) or its EOF
             # (it died). The reply is dropped; the next item comes from the
@@ -833,8 +869,14 @@ class AsyncFFN(AsyncEndpoint):
                 self.role_rank, item.source, item.layer, item.seq, e,
             )  # fmt: skip
             return
+        self._release(item)
         self._f2a += nbytes
         self._steps += 1
+
+    def _release(self, item: WorkItem) -> None:
+        """``item`` is done with: its source's kept buffer is free again."""
+        if item.kept:
+            self._lent.pop(item.source, None)
 
     def close(self, reason: str | None = None) -> None:
         if not self._closed:
