@@ -262,6 +262,20 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=16,
         ),
     ),
+    # LFM2-MoE: short convolutions and attention layers mixed (conv state on
+    # the attention side), a dense first layer, sigmoid top-k with an expert
+    # bias on the gate.
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_dense_layers=1,
+            use_expert_bias=True,
+            norm_topk_prob=True,
+            norm_eps=1e-6,
+        ),
+    ),
 }
 
 #: families whose ``intermediate_size`` is the width of an expert (no dense
@@ -343,6 +357,10 @@ def hf_config(
         kwargs["prefix_dense_intermediate_size"] = 2 * hidden_size
     if arch == "exaone_moe":
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
+    if arch == "lfm2_moe":
+        kwargs["layer_types"] = [
+            "conv" if i % 2 else "full_attention" for i in range(num_layers)
+        ]
     if arch == "gemma4":
         kwargs["vocab_size_per_layer_input"] = vocab_size
         kwargs["layer_types"] = [
