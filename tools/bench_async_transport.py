@@ -155,8 +155,8 @@ class _Phases:
         ep._collect = self._timed("wait", ep._collect)  # type: ignore[method-assign]
         for link in ep.links:
             link.send = self._timed("send", link.send)  # type: ignore[method-assign]
-        self._combine = async_ep._combine
-        async_ep._combine = self._timed("combine", async_ep._combine)
+        self._combine = async_ep.combine
+        async_ep.combine = self._timed("combine", async_ep.combine)
 
     def _timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -175,7 +175,7 @@ class _Phases:
         return got
 
     def restore(self) -> None:
-        async_ep._combine = self._combine
+        async_ep.combine = self._combine
 
 
 def _measure(

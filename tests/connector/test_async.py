@@ -21,7 +21,7 @@ import torch
 from _scenarios import free_port
 
 from vllm_afd.config import parse_afd_config
-from vllm_afd.connector import Fingerprint, Routing, async_ep
+from vllm_afd.connector import Fingerprint, Routing, async_ep, async_rows
 from vllm_afd.connector.async_ep import AsyncAttention, AsyncFFN, ExpertSlices
 from vllm_afd.connector.async_wire import FrameKind, FrameReader, encode_header
 from vllm_afd.connector.factory import create_async_endpoint, create_connector
@@ -256,7 +256,7 @@ def test_grouping_and_combine_match_the_per_rank_reference_bit_for_bit(
     experts, top_k, width = 12, 3, 8
     slices = ExpertSlices(experts, ranks)
     owners = slices.owners()
-    buffers = async_ep.HostBuffers()
+    buffers = async_rows.HostBuffers()
     g = torch.Generator().manual_seed(7 * ranks + shared)
     # random rows (some choose no expert of a rank), every row on rank 1's
     # first expert, no row on the last rank, and no rows at all; the kept
@@ -271,7 +271,7 @@ def test_grouping_and_combine_match_the_per_rank_reference_bit_for_bit(
             lo, hi = slices.bounds(ranks - 1)
             ids = ids % lo if lo else ids
         routing = Routing(torch.rand(tokens, top_k, generator=g), ids.to(torch.int32))
-        groups = async_ep.group_rows(owners, slices, routing, shared)
+        groups = async_rows.group_rows(owners, slices, routing, shared)
         want = _reference_groups(slices, routing, shared)
         assert [gr.rank for gr in groups] == [w[0] for w in want], case
         for gr, (_, rows, ids_f, w_f, counts) in zip(groups, want, strict=True):
@@ -289,9 +289,9 @@ def test_grouping_and_combine_match_the_per_rank_reference_bit_for_bit(
                 reply = torch.randn(gr.ids.shape[0], parts * width, generator=g)
                 reply[::3, ::2] = -0.0  # signed zeros must add up as before
                 replies[gr.rank] = reply.to(dtype)
-            got = async_ep._combine(hidden, sent, replies, parts, buffers)
+            got = async_rows.combine(hidden, sent, replies, parts, buffers)
             ref = _reference_combine(hidden, sent, replies, parts)
-            if async_ep._as_is(sent):
+            if async_rows.reply_is_output(sent):
                 ref = replies[sent[0][0]]
             assert got.dtype == dtype and got.shape == ref.shape, case
             assert torch.equal(_bits(got), _bits(ref)), (case, parts)

@@ -22,6 +22,11 @@ with one plain vLLM decode server (the baseline); then plain vLLM without PD
 runs the same requests as the reference (ratios AFD/reference beside the
 table). ``--reference-url`` gives a running reference in URL mode. See
 docs/benchmarks.md.
+
+(Over 500 lines on purpose: its three modes, servers started here, PD
+deployments and running servers, go through one sequence of phases per
+server, kept in one place; the figures, the table and the plots are
+modules of their own: ``bench_report``, ``bench_format``, ``plots``.)
 """
 
 from __future__ import annotations

@@ -27,18 +27,8 @@ the partial sums in float32 and rounds once: the same sum in another order,
 equal to plain vLLM's in float32 up to rounding (greedy output identical on
 the test models, logprobs within 1e-4), not bit for bit.
 
-Host work: the rows may live on a GPU; the frames leave from host memory.
-The attention rank groups on the rows' device (one owner lookup, one
-per-expert count, the rows each FFN rank gets, their ids and weights), then
-copies only each work item into a host buffer of its FFN rank that it keeps
-from one exchange to the next (pinned for a CUDA device, so the copies run
-asynchronously and one wait covers them all), and adds the replies on the
-device again. On the CPU a work item of every row is sent from the rows
-themselves and any other is gathered straight into its buffer. Buffers are
-kept because a fresh host buffer of tens of MiB costs a page fault per 4 KiB
-on first touch, more than the copy into it; the output, which the caller
-keeps, is the one host tensor an exchange allocates afresh (besides the
-received frames).
+Host work (the rows may live on a GPU, the frames leave from host memory):
+:mod:`vllm_afd.connector.async_rows`.
 
 Waits: an attention rank waits at most ``timeout_s`` (``warmup_timeout_s``
 for start-up forwards) for its replies, and sees at once an FFN rank that
@@ -72,6 +62,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_afd.connector import auth, p2p_rendezvous
+from vllm_afd.connector.async_rows import (
+    Group,
+    HostBuffers,
+    Sent,
+    combine,
+    group_rows,
+    pick_rows,
+    reply_is_output,
+    view_bytes,
+)
 from vllm_afd.connector.async_wire import (
     Frame,
     FrameKind,
@@ -101,12 +101,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: the FFN rank that runs the shared experts (it gets every row)
-SHARED_RANK = 0
 #: how the SHUTDOWN reason of an attention rank whose exchange failed begins
 FAILED = "failed: "
-#: the items an exchange sent: (FFN rank, its rows or None for all, seq)
-Sent = list[tuple[int, torch.Tensor | None, int]]
 #: how long close() tries to hand a peer its SHUTDOWN
 _CLOSE_SEND_S = 1.0
 
@@ -334,7 +330,7 @@ class AsyncAttention(AsyncEndpoint):
             self._errors += 1
             self._failure = str(e)
             raise
-        return _combine(hidden, sent, replies, parts, self._buffers)
+        return combine(hidden, sent, replies, parts, self._buffers)
 
     def _dispatch(
         self,
@@ -394,15 +390,17 @@ class AsyncAttention(AsyncEndpoint):
         n, k = group.ids.shape
         act = n * hidden.shape[1] * hidden.dtype.itemsize
         buf = self._buffers.take(f"work{group.rank}", act + 8 * n * k, pinned)
-        rows = _view(buf, 0, hidden.dtype, (n, hidden.shape[1]))
+        rows = view_bytes(buf, 0, hidden.dtype, (n, hidden.shape[1]))
         if on_host:
             assert group.rows is not None  # every row was sent as is above
             torch.index_select(hidden, 0, group.rows, out=rows)
         else:
-            rows.copy_(_pick(hidden, group.rows), non_blocking=pinned)
-        _view(buf, act, torch.int32, (n, k)).copy_(group.ids, non_blocking=pinned)
+            rows.copy_(pick_rows(hidden, group.rows), non_blocking=pinned)
+        view_bytes(buf, act, torch.int32, (n, k)).copy_(group.ids, non_blocking=pinned)
         at = act + 4 * n * k
-        _view(buf, at, torch.float32, (n, k)).copy_(group.weights, non_blocking=pinned)
+        view_bytes(buf, at, torch.float32, (n, k)).copy_(
+            group.weights, non_blocking=pinned
+        )
         return payload_bytes(buf)
 
     def _collect(
@@ -414,7 +412,7 @@ class AsyncAttention(AsyncEndpoint):
     ) -> dict[int, torch.Tensor]:
         """One REPLY per item sent: ``{rank: out [T_f, C]}`` in host memory,
         valid until the next exchange unless the output is a CPU reply as it
-        is (:func:`_combine`; ``device``: the rows').
+        is (:func:`~vllm_afd.connector.async_rows.combine`; ``device``: the rows').
 
         Raises:
             AFDTimeoutError: a reply took longer than ``timeout_s``.
@@ -426,7 +424,7 @@ class AsyncAttention(AsyncEndpoint):
         got: dict[int, torch.Tensor] = {}
         # Replies are read into kept buffers (pinned for a CUDA device), but
         # for a CPU output that is a reply as it is, which the caller keeps.
-        if device.type != "cpu" or not _as_is(sent):
+        if device.type != "cpu" or not reply_is_output(sent):
             pinned = device.type == "cuda"
             for f in expect:
                 self.links[f].reader.buffer_for = functools.partial(
@@ -538,168 +536,6 @@ class AsyncAttention(AsyncEndpoint):
                 return f"ffn rank {f} closed its connection (it exited or was killed)"
         self.lost_rank = None
         return None
-
-
-@dataclass
-class Group:
-    """One FFN rank's share of an exchange's rows, on their device.
-
-    Attributes:
-        rank: the FFN rank.
-        rows: ``[T_f]`` int64 indices of its rows, ascending; None for every
-            row in order.
-        ids: ``[T_f, K]`` int32 top-k of those rows, the pairs of other ranks'
-            experts on this rank's first expert (their weight is 0).
-        weights: ``[T_f, K]`` float32, 0 where the expert is another rank's.
-        counts: pairs routed to each of the rank's experts, in expert order.
-    """
-
-    rank: int
-    rows: torch.Tensor | None
-    ids: torch.Tensor
-    weights: torch.Tensor
-    counts: tuple[int, ...]
-
-
-def group_rows(
-    owners: torch.Tensor,
-    slices: ExpertSlices,
-    routing: Routing,
-    shared_experts: bool,
-) -> list[Group]:
-    """Which rows each FFN rank gets, with their routing there: a
-    :class:`Group` per rank that gets an item, in rank order. A rank no row
-    chose gets none, unless it gets every row anyway: the only rank, or rank
-    0 when the model has shared experts.
-
-    ``owners`` (:meth:`ExpertSlices.owners`) and ``routing`` on one device;
-    the groups' tensors are on it too. Reads from that device once for the
-    sizes, and once more for each rank that gets some rows but not all.
-    """
-    ids, weights = routing.topk_ids, routing.topk_weights
-    tokens = ids.shape[0]
-    ranks = slices.num_ffn_ranks
-    owner = owners[ids.long()]
-    # Which ranks each row chose, and the pairs on each expert: one read
-    # from the device for both (the per-rank counts are slices of the
-    # per-expert ones, as each rank's pairs are the pairs on its experts).
-    chose = torch.zeros(tokens, ranks, dtype=torch.bool, device=ids.device)
-    chose.scatter_(1, owner, True)
-    per_expert = torch.bincount(ids.reshape(-1).long(), minlength=slices.num_experts)
-    sizes = torch.cat([chose.sum(0), per_expert]).tolist()
-    rows_of, counts = sizes[:ranks], sizes[ranks:]
-    groups = []
-    for f in range(ranks):
-        rows: torch.Tensor | None = None
-        if ranks > 1 and not (shared_experts and f == SHARED_RANK):
-            if rows_of[f] == 0:
-                continue
-            if rows_of[f] < tokens:
-                rows = chose[:, f].nonzero().squeeze(1)
-        lo, hi = slices.bounds(f)
-        mine = _pick(owner, rows) == f
-        ids_f = torch.where(mine, _pick(ids, rows), lo).to(torch.int32)
-        w_f = torch.where(mine, _pick(weights, rows), 0.0).to(torch.float32)
-        groups.append(Group(f, rows, ids_f, w_f, tuple(counts[lo:hi])))
-    return groups
-
-
-class HostBuffers:
-    """Host byte buffers kept from one exchange to the next, by name, each
-    grown (by half at least) when a larger one is asked for.
-
-    A fresh host buffer of tens of MiB costs a page fault per 4 KiB the first
-    time it is written, more than the copy into it; the CUDA caching
-    allocator already keeps device memory, so buffers on a device are not
-    kept here.
-    """
-
-    def __init__(self) -> None:
-        #: name -> (buffer, pinned)
-        self._bufs: dict[str, tuple[torch.Tensor, bool]] = {}
-
-    def take(self, name: str, nbytes: int, pinned: bool = False) -> torch.Tensor:
-        """``[nbytes]`` uint8 of buffer ``name`` (pinned: page-locked, for
-        asynchronous copies from a CUDA device); its contents are whatever
-        the last user left."""
-        buf, was_pinned = self._bufs.get(name, (None, pinned))
-        if buf is None or buf.numel() < nbytes or was_pinned != pinned:
-            size = nbytes if buf is None else max(nbytes, buf.numel() * 3 // 2)
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-            self._bufs[name] = buf, pinned
-        return buf[:nbytes]
-
-    def scratch(
-        self,
-        name: str,
-        shape: tuple[int, int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """An uninitialised ``shape`` tensor on ``device``: a view of buffer
-        ``name`` on the CPU, a fresh tensor on any other device."""
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
-        return _view(
-            self.take(name, shape[0] * shape[1] * dtype.itemsize), 0, dtype, shape
-        )
-
-
-def _view(
-    buf: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple[int, int]
-) -> torch.Tensor:
-    """``buf[at:]`` (uint8) as a ``shape`` tensor of ``dtype``."""
-    return buf[at : at + shape[0] * shape[1] * dtype.itemsize].view(dtype).view(shape)
-
-
-def _pick(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return t if rows is None else t.index_select(0, rows)
-
-
-def _combine(
-    hidden: torch.Tensor,
-    sent: Sent,
-    replies: dict[int, torch.Tensor],
-    parts: int,
-    buffers: HostBuffers,
-) -> torch.Tensor:
-    """``[T, parts * H]`` on ``hidden``'s device from the (host) replies: the
-    routed parts added in rank order in float32 and rounded once; the shared
-    part from its rank."""
-    device = hidden.device
-    if _as_is(sent):
-        return replies[sent[0][0]].to(device)
-    tokens, width = hidden.shape
-    out = hidden.new_empty((tokens, parts * width))
-    in_place = hidden.dtype == torch.float32  # rounding to it is no rounding
-    if in_place:
-        routed = out[:, (parts - 1) * width :]
-    else:
-        routed = buffers.scratch("routed", (tokens, width), torch.float32, device)
-    # from zeros, not a copy of the first part: 0.0 + -0.0 is 0.0
-    routed.zero_()
-    for f, rows, _ in sent:
-        reply = replies[f].to(device)
-        part = reply[:, (parts - 1) * width :]
-        if rows is None:
-            routed += part  # in float32 (type promotion), as part.float() would
-        else:
-            if part.dtype != torch.float32:  # index_add_ wants one dtype
-                shape = (part.shape[0], part.shape[1])
-                wide = buffers.scratch("part", shape, torch.float32, device)
-                part = wide.copy_(part)
-            routed.index_add_(0, rows, part)
-        if parts == 2 and f == SHARED_RANK:
-            out[:, :width] = reply[:, :width]  # rank 0 had every row
-    if not in_place:
-        out[:, (parts - 1) * width :] = routed
-    return out
-
-
-def _as_is(sent: Sent) -> bool:
-    """Whether the exchange's output is its one reply as it is (one rank
-    had every row)."""
-    return len(sent) == 1 and sent[0][1] is None
 
 
 class AsyncFFN(AsyncEndpoint):

@@ -23,7 +23,8 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_afd import envs
 from vllm_afd.config import AFDConfig
-from vllm_afd.connector.async_ep import SHARED_RANK, AsyncFFN, ExpertSlices
+from vllm_afd.connector.async_ep import AsyncFFN, ExpertSlices
+from vllm_afd.connector.async_rows import SHARED_RANK
 from vllm_afd.connector.payloads import A2FBatch, Routing
 from vllm_afd.connector.protocol import REJOIN
 from vllm_afd.errors import (
