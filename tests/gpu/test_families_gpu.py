@@ -5,8 +5,9 @@ logprobs within bf16's resolution). Llama 4 (the routing weight scales the
 expert input), Granite-MoE-Shared (a shared MLP beside the MoE block) and
 Qwen3-Next (gated delta-net linear attention, its state on the attention
 role; skipped where vLLM's CUDA kernels of it cannot load: flashinfer's
-gated delta-net prefill imports the CUTLASS DSL package, ``cutlass``); on CPU
-they are checked in tests/e2e/test_families.py.
+gated delta-net prefill imports the CUTLASS DSL package, ``cutlass``),
+EXAONE-MoE, Cohere2-MoE, Gemma 4 and MiMo-V2-Flash; on CPU they are checked
+in tests/e2e/test_families.py.
 """
 
 from __future__ import annotations
