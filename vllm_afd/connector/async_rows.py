@@ -12,9 +12,10 @@ asynchronously and one wait covers them all), and adds the replies on the
 device again. On the CPU a work item of every row is sent from the rows
 themselves and any other is gathered straight into its buffer. Buffers are
 kept because a fresh host buffer of tens of MiB costs a page fault per 4 KiB
-on first touch, more than the copy into it; the output, which the caller
-keeps, is the one host tensor an exchange allocates afresh (besides the
-received frames).
+on first touch, more than the copy into it. Replies are read into kept
+buffers too, but for a CPU output that is one reply as it is (the caller
+keeps it), so on the CPU an exchange allocates its output afresh and on a
+device it allocates device memory only.
 """
 
 from __future__ import annotations
