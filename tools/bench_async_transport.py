@@ -189,7 +189,13 @@ def _measure(
     children = [
         ctx.Process(
             target=_ffn,
-            args=(connector, port, shape, r, 1 + r % (cores - 1) if pin else None),
+            args=(
+                connector,
+                port,
+                shape,
+                r,
+                1 + r % max(cores - 1, 1) if pin else None,
+            ),
         )
         for r in range(shape.ffn_ranks)
     ]

@@ -308,8 +308,9 @@ def test_an_ffn_rank_lends_its_kept_buffer_to_one_item_of_a_rank_at_a_time():
     other_rank = ep._buffer_for(1, 256)
     assert meanwhile.data_ptr() != first.data_ptr()
     assert other_rank.data_ptr() not in (first.data_ptr(), meanwhile.data_ptr())
-    hidden, routing = _inputs(0, 0, 1, 2)
-    item = async_ep.WorkItem(0, 1, 1, hidden, routing, (), kept=True)
+    _, routing = _inputs(0, 0, 1, 1)
+    hidden = first[: 4 * H].view(torch.float32).view(1, H)  # as Frame.tensors
+    item = async_ep.WorkItem(0, 1, 1, hidden, routing, ())
     ep._release(item)  # as reply() does once the reply is sent
     again = ep._buffer_for(0, 128)
     assert again.data_ptr() == first.data_ptr()

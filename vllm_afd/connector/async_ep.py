@@ -151,8 +151,6 @@ class WorkItem:
         hidden: ``[T, H]`` rows.
         routing: their ``[T, K]`` top-k, every id an expert of this rank.
         counts: rows routed to each local expert, in expert order.
-        kept: its rows are in the buffer the endpoint keeps for its source,
-            which the next item of that source may reuse once it is replied to.
     """
 
     source: int
@@ -161,7 +159,6 @@ class WorkItem:
     hidden: torch.Tensor
     routing: Routing
     counts: tuple[int, ...]
-    kept: bool = False
 
 
 class _Link:
@@ -621,11 +618,9 @@ class AsyncFFN(AsyncEndpoint):
                 "the expert slices"
             )
         self._a2f += frame.payload.numel()
-        kept = self._lent.get(a) == frame.payload.data_ptr()
         return WorkItem(
-            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts,
-            kept,
-        )  # fmt: skip
+            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts
+        )
 
     def _buffer_for(self, a: int, nbytes: int) -> torch.Tensor:
         """The buffer a frame from attention rank ``a`` is read into: its
@@ -710,9 +705,9 @@ class AsyncFFN(AsyncEndpoint):
         self._steps += 1
 
     def _release(self, item: WorkItem) -> None:
-        """``item`` is done with: its source's kept buffer is free again."""
-        if item.kept:
-            self._lent.pop(item.source, None)
+        """``item`` is done with: its source's kept buffer is free again if
+        the item was read into it (its rows open the frame's payload)."""
+        self._give_back(item.source, item.hidden)
 
     def close(self, reason: str | None = None) -> None:
         if not self._closed:
