@@ -473,3 +473,10 @@ def test_a_reference_server_gets_its_figures_and_ratios_under_the_table():
 
 def test_without_a_reference_the_table_has_no_reference_lines():
     assert "on the same requests" not in bench_format.format_table(_report())
+
+
+def test_plot_names_its_runs_as_the_table_does():
+    cfg = _report()["config"]
+    assert plots.run_names(cfg) == (f"AFD {cfg['deployment']}", "plain vLLM")
+    pd = dict(cfg, afd_label="PD 1P + AFD 1A1F", baseline_label="PD 1P + plain decode")
+    assert plots.run_names(pd) == ("PD 1P + AFD 1A1F", "PD 1P + plain decode")

@@ -64,6 +64,13 @@ def _step_panel(ax: Any, c: dict[str, Any], name: str) -> None:
     )
 
 
+def run_names(cfg: dict[str, Any]) -> tuple[str, str]:
+    """The AFD run's and the baseline's names, as the table's columns have
+    them (``vllm-afd bench --prefill`` names both sides of PD)."""
+    name = cfg.get("afd_label") or f"AFD {cfg['deployment']}"
+    return name, cfg.get("baseline_label") or "plain vLLM"
+
+
 def plot_report(report: dict[str, Any], out_dir: str | Path) -> Path | None:
     """Write ``bench.png``: latency, throughput, AFD step time (needs matplotlib).
 
@@ -73,8 +80,8 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> Path | None:
     if plt is None:
         return None
     cfg, afd, base = report["config"], report["afd"], report["baseline"]
-    name = f"AFD {cfg['deployment']}"
-    runs = [(name, afd)] + ([("plain vLLM", base)] if base else [])
+    name, base_name = run_names(cfg)
+    runs = [(name, afd)] + ([(base_name, base)] if base else [])
     names = [n for n, _ in runs]
     pct = [f"p{q}" for q in PERCENTILES]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
@@ -94,7 +101,7 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> Path | None:
     _step_panel(axes[1][1], report["counters"], name)
     work, cmp_ = report["workload"], report["comparison"]
     fig.suptitle(
-        f"vllm-afd bench: {name} (A:F {cfg['af_ratio']}) vs plain vLLM; "
+        f"vllm-afd bench: {name} (A:F {cfg['af_ratio']}) vs {base_name}; "
         f"{cfg['num_requests']} requests, input len {minmedmax(work['input_len'])}, "
         f"output len {minmedmax(work['output_len'])} (min/median/max)\n"
         f"vllm serve {' '.join(cfg.get('vllm_args') or [])}\n"
