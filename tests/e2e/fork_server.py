@@ -44,6 +44,37 @@ def _preload() -> None:
     import vllm.entrypoints.openai.api_server  # noqa: F401
 
 
+def _fork_engine_cores() -> None:
+    """Fork the engine core from the role process, as vLLM does on a GPU host
+    where nothing initialized CUDA yet, instead of spawning it (vLLM's CPU
+    platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): the engine core then
+    starts with vLLM imported, not after ~8 s of a core importing it again.
+    Processes the engine core starts itself (tensor-parallel workers, which
+    set their OpenMP environment before they start) are spawned as before."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.engine.core import EngineCoreProc
+
+    import vllm_afd
+
+    check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+    run = EngineCoreProc.run_engine_core
+
+    def check_then_fork(cls, vllm_config) -> None:
+        check(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    def run_spawning(*args, **kwargs):
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # the plugin's registration as a spawned engine core runs it: this
+        # process is one of an AFD server's now (``AFD_SERVER_PID``)
+        vllm_afd._registered = False
+        vllm_afd.register()
+        return run(*args, **kwargs)
+
+    CpuPlatform.check_and_update_config = classmethod(check_then_fork)  # type: ignore[method-assign]
+    EngineCoreProc.run_engine_core = staticmethod(run_spawning)  # type: ignore[method-assign]
+
+
 def _read_request(conn: socket.socket) -> tuple[int, dict]:
     _, fds, _, _ = socket.recv_fds(conn, 1, 1)
     if len(fds) != 1:
@@ -92,6 +123,13 @@ def _child(output: int, request: dict, inherited: list[int]) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = ["-m", *request["argv"]]
+        if os.environ.get("PYTHONUNBUFFERED"):
+            # as a fresh interpreter would have it (``python -u``): no line
+            # is left in a buffer when a role, or its forked engine core, dies
+            for stream in (sys.stdout, sys.stderr):
+                stream.reconfigure(line_buffering=True, write_through=True)
+        if os.environ.get("AFD_TEST_SPAWN_ENGINES") != "1":
+            _fork_engine_cores()
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
