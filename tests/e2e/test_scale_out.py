@@ -101,7 +101,9 @@ def test_topology_greedy_output_equals_plain_vllm(
     try:
         url = afd.api_url
         served = served_model(url)
+        began = time.monotonic()
         afd_out = run_workload(url, served, texts)
+        workload_s = time.monotonic() - began
         ffn_steps = [
             afd_metrics(p.url).get(("afd_steps", "ffn", str(k)), 0.0)
             for k, p in enumerate(afd.ffns)
@@ -124,7 +126,8 @@ def test_topology_greedy_output_equals_plain_vllm(
     assert all(steps > 0 for steps in ffn_steps), ffn_steps
     medians = {k: statistics.median(s[k] for s in stalls) for k in stalls[0]}
     FAULT_RESULTS.append(
-        f"{name} FFN stalled past timeout_s ({STALLS}x, medians): "
+        f"{name} workload {workload_s:.1f}s; FFN stalled past timeout_s "
+        f"({STALLS}x, medians): "
         + ", ".join(f"{k} {v:.2f}s" for k, v in medians.items())
     )
 

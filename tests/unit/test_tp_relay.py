@@ -4,6 +4,8 @@ session ended, and why (a rendezvous again, or the peers shut down)."""
 from __future__ import annotations
 
 import queue
+import threading
+import time
 
 import torch
 
@@ -58,3 +60,48 @@ def test_peers_shutting_down_ends_every_tp_rank_without_a_rejoin() -> None:
     assert leader.recv_plan() is None and follower.recv_plan() is None
     assert leader.rejoining is None and follower.rejoining is None
     assert Rejoin("x") == Rejoin("x")  # picklable value: crosses processes
+
+
+class _QueueGroup:
+    """A TP group whose objects go through vLLM's shared-memory message queue
+    (its ``mq_broadcaster``), as the FFN engine's TP group has one."""
+
+    def __init__(self, mq) -> None:
+        self.mq_broadcaster = mq
+
+
+def test_a_cpu_follower_waits_for_the_next_plan_asleep() -> None:
+    """Between two plans a follower on CPU sleeps (vLLM's queue would spin a
+    second after each read, on a core the TP ranks compute on): the thread
+    spends far less CPU time than the wait lasts."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    writer = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    ready = threading.Thread(target=reader.wait_until_ready)
+    ready.start()
+    writer.wait_until_ready()
+    ready.join(timeout=10)
+    kw = {"hidden_size": 4, "dtype": torch.float32, "device": torch.device("cpu")}
+    leader = TPRelay(_Leader(["plan 1", "plan 2"], None), _QueueGroup(writer), **kw)
+    follower = TPRelay(None, _QueueGroup(reader), **kw)
+    seen: dict = {}
+
+    def follow() -> None:
+        seen["first"] = follower.recv_plan()
+        start = time.thread_time()
+        seen["second"] = follower.recv_plan()
+        seen["cpu_s"] = time.thread_time() - start
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    assert leader.recv_plan() == "plan 1"
+    time.sleep(IDLE_S)  # the deployment idle between two steps
+    assert leader.recv_plan() == "plan 2"
+    thread.join(timeout=10)
+    assert seen["first"] == "plan 1" and seen["second"] == "plan 2"
+    assert seen["cpu_s"] < IDLE_S / 4, seen
+
+
+#: how long the leader holds the second plan back
+IDLE_S = 1.0

@@ -163,6 +163,8 @@ class TPRelay:
         if self.is_leader:
             queue.enqueue(plan)
             return plan
+        if self.device.type == "cpu":
+            _wait_without_spinning(queue)
         return queue.dequeue(indefinite=True)
 
     def _bcast(
@@ -187,3 +189,18 @@ class TPRelay:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def _wait_without_spinning(queue: Any) -> None:
+    """Make a CPU follower wait for the next plan asleep.
+
+    vLLM's message queue spins (``sched_yield``) for a second after each read
+    before it sleeps until the writer's notification. A follower reads a plan
+    every step, so it would spin through the whole step on a core the TP
+    ranks compute on. Asleep, it wakes on the leader's notification (a ZeroMQ
+    message sent with every write). A GPU rank keeps the spin: it has the
+    lower latency, and its compute is not on the CPU.
+    """
+    condition = getattr(queue, "_spin_condition", None)
+    if condition is not None:
+        condition.busy_loop_s = 0.0
