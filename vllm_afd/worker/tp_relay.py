@@ -89,6 +89,9 @@ class TPRelay:
         self.routing_top_k = routing_top_k
         self._plan: MergedPlan | None = None
         self._rejoining: str | None = None
+        queue = getattr(tp_group, "mq_broadcaster", None)
+        if connector is None and queue is not None and device.type == "cpu":
+            _wait_without_spinning(queue)
 
     @property
     def is_leader(self) -> bool:
@@ -163,8 +166,6 @@ class TPRelay:
         if self.is_leader:
             queue.enqueue(plan)
             return plan
-        if self.device.type == "cpu":
-            _wait_without_spinning(queue)
         return queue.dequeue(indefinite=True)
 
     def _bcast(
@@ -192,7 +193,7 @@ class TPRelay:
 
 
 def _wait_without_spinning(queue: Any) -> None:
-    """Make a CPU follower wait for the next plan asleep.
+    """Make a CPU follower's reads of ``queue`` (the plans) wait asleep.
 
     vLLM's message queue spins (``sched_yield``) for a second after each read
     before it sleeps until the writer's notification. A follower reads a plan
