@@ -224,11 +224,16 @@ def _reference_lines(report: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def run_names(cfg: dict[str, Any], baseline: str = "plain vLLM") -> tuple[str, str]:
+    """The AFD run's and the baseline's names (``vllm-afd bench --prefill``
+    names both sides of PD); ``baseline`` where the config names none."""
+    name = cfg.get("afd_label") or f"AFD {cfg['deployment']}"
+    return name, cfg.get("baseline_label") or baseline
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as a terminal table."""
-    cfg = report["config"]
-    name = cfg.get("afd_label") or f"AFD {cfg['deployment']}"
-    base = cfg.get("baseline_label") or "baseline"
+    name, base = run_names(report["config"], baseline="baseline")
     rows = [("", name, base, "AFD/baseline"), *_run_rows(report)]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     body = [

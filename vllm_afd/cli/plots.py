@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_afd.cli.bench_format import minmedmax, num
+from vllm_afd.cli.bench_format import minmedmax, num, run_names
 from vllm_afd.cli.bench_report import PERCENTILES, provenance_line
 
 if TYPE_CHECKING:
@@ -62,13 +62,6 @@ def _step_panel(ax: Any, c: dict[str, Any], name: str) -> None:
         f"A2F {num((c['a2f_bytes_per_step'] or 0) / 1024)} KiB",
         fontsize=10,
     )
-
-
-def run_names(cfg: dict[str, Any]) -> tuple[str, str]:
-    """The AFD run's and the baseline's names, as the table's columns have
-    them (``vllm-afd bench --prefill`` names both sides of PD)."""
-    name = cfg.get("afd_label") or f"AFD {cfg['deployment']}"
-    return name, cfg.get("baseline_label") or "plain vLLM"
 
 
 def plot_report(report: dict[str, Any], out_dir: str | Path) -> Path | None:
