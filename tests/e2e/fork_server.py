@@ -123,11 +123,6 @@ def _child(output: int, request: dict, inherited: list[int]) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = ["-m", *request["argv"]]
-        if os.environ.get("PYTHONUNBUFFERED"):
-            # as a fresh interpreter would have it (``python -u``): no line
-            # is left in a buffer when a role, or its forked engine core, dies
-            for stream in (sys.stdout, sys.stderr):
-                stream.reconfigure(line_buffering=True, write_through=True)
         if os.environ.get("AFD_TEST_SPAWN_ENGINES") != "1":
             _fork_engine_cores()
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
