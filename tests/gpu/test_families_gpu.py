@@ -7,7 +7,12 @@ Qwen3-Next (gated delta-net linear attention, its state on the attention
 role; skipped where vLLM's CUDA kernels of it cannot load: flashinfer's
 gated delta-net prefill imports the CUTLASS DSL package, ``cutlass``),
 EXAONE-MoE, Cohere2-MoE, Gemma 4 and MiMo-V2-Flash; on CPU they are checked
-in tests/e2e/test_families.py.
+in tests/e2e/test_families.py. MiniMax-M2, which plain vLLM serves on GPUs
+only (its CPU router takes no sigmoid scores with a bias), is checked here
+in its other placements too: the gate on the FFN role, and 2A1F (both
+attention ranks on GPU 0: each computes on its own requests only, plain vLLM
+on all). Families whose plain output depends on how requests fall into steps
+run with vLLM's batch-invariant kernels on every server (``BATCH_VARIANT``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from gpu_harness import FULL_DECODE_ONLY, ONE_GPU, ONE_GPU_ARGS, afd_and_plain, gpu_spec
+from gpu_harness import (
+    FULL_DECODE_ONLY,
+    ONE_GPU,
+    ONE_GPU_ARGS,
+    afd_and_plain,
+    gpu_spec,
+    same_count,
+)
 from harness import assert_same_outputs, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
@@ -31,9 +43,18 @@ FAMILIES = (
     "cohere2_moe",
     "gemma4",
     "mimo_v2",
+    "minimax_m2",
 )
 #: what a family needs beyond vLLM's own wheel on a GPU host
 NEEDS = {"qwen3_next": "cutlass"}
+#: families whose plain vLLM output depends on how requests fall into steps:
+#: their router's float32 gate GEMM (vLLM's ``GateLinear``) picks its kernel by
+#: the step's row count, and sigmoid scores with a bias turn the last bit into
+#: another expert. The same settings gave MiniMax-M2 15/16 and 16/16 identical
+#: in two runs on one H200, and EXAONE-MoE 14/16 on one H100. Every server of
+#: such a family runs vLLM's batch-invariant kernels.
+BATCH_VARIANT = {"exaone_moe", "minimax_m2"}
+BATCH_INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +81,47 @@ def test_family_1a1f_on_one_gpu_equals_plain_vllm(
             "(flashinfer's gated delta-net prefill imports it)"
         )
     spec = gpu_spec(family_models[arch], GRAPHS, gate_on_attention=True, **ONE_GPU)
-    afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path)
+    env = BATCH_INVARIANT if arch in BATCH_VARIANT else None
+    afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path, env)
     same = sum(
         a.token_ids == p.token_ids for a, p in zip(afd_out, plain_out, strict=True)
     )
     print(f"{arch}: {same}/16 identical")
+    assert_same_outputs(afd_out, plain_out, ATOL)
+    assert ffn[("afd_steps", "ffn", "0")] > 0
+
+
+#: families plain vLLM serves on GPUs only, in their other placements (eager):
+#: (arch, gate on attention, attention ranks)
+GPU_ONLY_PLACEMENTS = [("minimax_m2", False, 1), ("minimax_m2", True, 2)]
+
+
+@pytest.mark.parametrize(
+    ("arch", "gate_on_attention", "ranks"),
+    GPU_ONLY_PLACEMENTS,
+    ids=[
+        f"{a}-{n}A1F-gate_on_{'attention' if g else 'ffn'}"
+        for a, g, n in GPU_ONLY_PLACEMENTS
+    ],
+)
+def test_gpu_only_family_placements_equal_plain_vllm(
+    family_models: dict[str, Path],
+    tmp_path: Path,
+    arch: str,
+    gate_on_attention: bool,
+    ranks: int,
+    mps: None,
+) -> None:
+    spec = gpu_spec(
+        family_models[arch],
+        ONE_GPU_ARGS,
+        gate_on_attention=gate_on_attention,
+        attention_ranks=ranks,
+        **ONE_GPU,
+    )
+    afd_out, plain_out, ffn = afd_and_plain(
+        spec, prompts(16), tmp_path, BATCH_INVARIANT
+    )
+    print(f"{arch} {ranks}A1F: {same_count(afd_out, plain_out)}/16 identical")
     assert_same_outputs(afd_out, plain_out, ATOL)
     assert ffn[("afd_steps", "ffn", "0")] > 0

@@ -18,8 +18,11 @@ from vllm_afd.models.ffn_layers import FFNLayers
 EXPERTS, HIDDEN, WIDTH = 8, 4, 6
 
 
-def _layers(**extra: torch.Tensor) -> tuple[FFNLayers, nn.Module]:
+def _layers(
+    quant_method: object = None, **extra: torch.Tensor
+) -> tuple[FFNLayers, nn.Module]:
     experts = nn.Module()
+    experts.quant_method = quant_method
     experts.w13_weight = nn.Parameter(torch.randn(EXPERTS, 2 * WIDTH, HIDDEN))
     experts.w2_weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN, WIDTH))
     experts.w13_weight.weight_loader = "vLLM's loader"  # set_weight_attrs
@@ -90,3 +93,23 @@ def test_experts_with_biases_are_refused_naming_them():
     for cut in (layers.take_expert_slice, layers.keep_experts):
         with pytest.raises(AFDConfigError, match=r"layer 1: .* hold w13_bias, w2_bias"):
             cut(0, 4)
+
+
+def test_quantized_experts_are_refused_naming_the_quantization():
+    """FP8 or MXFP4 experts hold scales and a kernel's layout: refused at
+    load, naming vLLM's quantization method."""
+
+    class Fp8MoEMethod:  # the name is what the message reads
+        pass
+
+    layers, _ = _layers(
+        Fp8MoEMethod(),
+        w13_weight_scale=torch.ones(EXPERTS),
+        w2_weight_scale=torch.ones(EXPERTS),
+    )
+    with pytest.raises(
+        AFDConfigError,
+        match=r"layer 1: the routed experts are quantized \(Fp8MoEMethod\) and "
+        r"hold w13_weight_scale, w2_weight_scale",
+    ):
+        layers.take_expert_slice(0, 4)

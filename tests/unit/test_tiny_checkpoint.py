@@ -209,3 +209,56 @@ def test_write_hf_family_weights_are_drawn_with_the_scales(tmp_path: Path) -> No
     # norms near one (not all ones), embeddings of unit variance
     assert 0.5 < float(norm.mean()) < 1.5 and float(norm.std()) > 0.01
     assert 0.8 < float(embed.std()) < 1.2
+
+
+def test_mxfp4_round_trips_the_fp4_grid_and_rounds_to_the_nearest() -> None:
+    import torch
+
+    from vllm_afd.models.tiny_mxfp4 import E2M1, dequantize_mxfp4, quantize_mxfp4
+
+    grid = torch.tensor([v * s for v in E2M1 for s in (1, -1)] * 2)[:32]
+    blocks, scales = quantize_mxfp4(grid * 2.0**-5)
+    assert blocks.shape == (1, 16) and blocks.dtype == torch.uint8
+    assert scales.tolist() == [127 - 5]  # amax 1.5 * 2^-3: scale 2^(-3 - 2)
+    assert torch.equal(dequantize_mxfp4(blocks, scales), grid * 2.0**-5)
+    # 2.4 lies nearer 2 than 3; the low nibble holds the even element
+    blocks, scales = quantize_mxfp4(torch.tensor([2.4, 6.0] + [0.0] * 30))
+    assert dequantize_mxfp4(blocks, scales)[:2].tolist() == [2.0, 6.0]
+    assert blocks[0, 0].item() == 4 | (7 << 4)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_mxfp4(torch.zeros(2, 48))
+
+
+def test_mxfp4_experts_are_written_in_the_released_layout(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from vllm_afd.models.tiny_mxfp4 import dequantize_mxfp4
+
+    dense = write_tiny_checkpoint(
+        tmp_path / "bf16", arch="gpt_oss", num_layers=2, dtype="bfloat16"
+    )
+    path = write_tiny_checkpoint(
+        tmp_path / "mx", arch="gpt_oss", num_layers=2, dtype="bfloat16",
+        mxfp4_experts=True,
+    )  # fmt: skip
+    assert _config(path)["quantization_config"]["quant_method"] == "mxfp4"
+    weights, original = (
+        load_file(path / "model.safetensors"),
+        load_file(dense / "model.safetensors"),
+    )
+    experts = "model.layers.1.mlp.experts"
+    e, h, two_i = original[f"{experts}.gate_up_proj"].shape
+    assert weights[f"{experts}.gate_up_proj_blocks"].shape == (e, two_i, h // 32, 16)
+    assert weights[f"{experts}.gate_up_proj_scales"].shape == (e, two_i, h // 32)
+    assert weights[f"{experts}.down_proj_blocks"].shape == (e, h, two_i // 64, 16)
+    assert f"{experts}.gate_up_proj" not in weights
+    assert weights[f"{experts}.gate_up_proj_bias"].dtype == torch.bfloat16
+    # what vLLM dequantizes is the drawn weight, transposed, to FP4's precision
+    values = dequantize_mxfp4(
+        weights[f"{experts}.down_proj_blocks"], weights[f"{experts}.down_proj_scales"]
+    )
+    drawn = original[f"{experts}.down_proj"].float().transpose(1, 2)
+    assert (values - drawn).abs().max() <= drawn.abs().max() / 4
+    with pytest.raises(ValueError, match="gpt_oss"):
+        write_tiny_checkpoint(tmp_path / "q", arch="qwen3_moe", mxfp4_experts=True)

@@ -28,6 +28,8 @@ def _tiny_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         gpu_dims=args.gpu_dims,
+        hidden_size=args.hidden_size,
+        mxfp4_experts=args.mxfp4_experts,
     )
     print(path)
     return 0
@@ -62,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-dims",
         action="store_true",
         help="MLA head dims vLLM needs on SM90 GPUs (qk_nope/v head dim 128)",
+    )
+    tiny.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="model width, a multiple of 16 (default 128)",
+    )
+    tiny.add_argument(
+        "--mxfp4-experts",
+        action="store_true",
+        help="gpt_oss only: routed experts in MXFP4, as gpt-oss's release ships "
+        "them (vLLM serves them on GPUs)",
     )
     tiny.set_defaults(func=_tiny_model)
 

@@ -155,6 +155,16 @@ FAMILIES: tuple[Family, ...] = (
         attention=("GraniteMoeAttention",),
     ),
     Family(
+        # sigmoid scores with a correction bias the MoE block holds itself
+        # (loaded where the router runs); plain vLLM serves it on GPUs only
+        name="minimax_m2",
+        module="minimax_m2",
+        archs=("MiniMaxM2ForCausalLM",),
+        dense_mlp=None,
+        attention=("MiniMaxM2Attention",),
+        gate_parts=("e_score_correction_bias",),
+    ),
+    Family(
         name="ernie4_5_moe",
         module="ernie45_moe",
         archs=("Ernie4_5_MoeForCausalLM",),

@@ -139,6 +139,10 @@ def _slice_map(lo: int, hi: int) -> Callable[[int], int]:
     return local
 
 
+#: weight dtypes of unquantized experts
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _sliceable_params(idx: int, experts: nn.Module) -> dict[str, nn.Parameter]:
     """Layer ``idx``'s routed-expert parameters, each one row per expert.
 
@@ -149,13 +153,22 @@ def _sliceable_params(idx: int, experts: nn.Module) -> dict[str, nn.Parameter]:
     """
     params = dict(experts.named_parameters(recurse=False))
     extra = sorted(set(params) - {"w13_weight", "w2_weight"})
+    w13 = params.get("w13_weight")
+    quantized = any("scale" in name for name in extra) or (
+        w13 is not None and w13.dtype not in _ACTIVATION_DTYPES
+    )
+    if not extra and not quantized:
+        return params
+    what = []
+    if quantized:
+        method = type(getattr(experts, "quant_method", None)).__name__
+        what.append(f"are quantized ({method})")
     if extra:
-        raise AFDConfigError(
-            f"layer {idx}: the routed experts hold {', '.join(extra)} "
-            "besides w13_weight and w2_weight; splitting their experts "
-            "over FFN ranks (afd.connector='async') is not supported"
-        )
-    return params
+        what.append(f"hold {', '.join(extra)} besides w13_weight and w2_weight")
+    raise AFDConfigError(
+        f"layer {idx}: the routed experts {' and '.join(what)}; splitting "
+        "their experts over FFN ranks (afd.connector='async') is not supported"
+    )
 
 
 class FFNLayers:

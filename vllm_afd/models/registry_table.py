@@ -20,13 +20,6 @@ from vllm_afd.models.families import family_of, vllm_module_path
 
 #: what was found where an architecture was tried with a tiny checkpoint
 TRIED: dict[str, str] = {
-    "MiniMaxM2ForCausalLM": (
-        "plain vLLM serves it on GPUs only (its CPU router takes no sigmoid "
-        "scores with a bias); on one H200 a trial record gave 15 of 16 greedy "
-        "requests identical (gate on attention, FULL decode graphs) and an FFN "
-        "stall past `timeout_s` mid-workload (gate on FFN, eager), so no "
-        "record yet"
-    ),
     "PhiMoEForCausalLM": (
         "plain vLLM's load of a transformers-written checkpoint fails "
         "(`too many values to unpack`); no record yet"
@@ -71,6 +64,16 @@ TRIED: dict[str, str] = {
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
+    ),
+}
+
+#: served architectures plain vLLM serves on GPUs only, and where they are
+#: checked instead
+GPU_ONLY: dict[str, str] = {
+    "MiniMaxM2ForCausalLM": (
+        "on GPUs: plain vLLM's CPU router takes no sigmoid scores with a bias, "
+        "so it is checked against plain vLLM on one GPU "
+        "(`tests/gpu/test_families_gpu.py`)"
     ),
 }
 
@@ -130,6 +133,8 @@ def table_markdown() -> str:
         family = family_of(arch)
         if family is not None:
             what = f"served (record `{family.name}`)"
+            if arch in GPU_ONLY:
+                what += f"; {GPU_ONLY[arch]}"
         else:
             what = "refused at start-up: " + TRIED.get(
                 arch, "no family record (not tried)"

@@ -115,6 +115,7 @@ def write_tiny_checkpoint(
     dtype: str = "float32",
     gpu_dims: bool = False,
     hidden_size: int | None = None,
+    mxfp4_experts: bool = False,
 ) -> Path:
     """Write a random-weight MoE checkpoint of family ``arch`` with a local
     tokenizer.
@@ -132,6 +133,8 @@ def write_tiny_checkpoint(
         gpu_dims: Use 128-wide nope/value heads, as vLLM's GPU MLA backends need
             (DeepSeek only; the other families have no MLA).
         hidden_size: Model width (default 128); a multiple of the head count.
+        mxfp4_experts: Store the routed experts in MXFP4 as gpt-oss's release
+            does (``gpt_oss`` only; :mod:`vllm_afd.models.tiny_mxfp4`).
 
     Returns:
         The checkpoint directory.
@@ -140,6 +143,11 @@ def write_tiny_checkpoint(
         ValueError: An argument is out of range; the message names the valid values.
     """
     _check_args(arch, num_layers, dtype, hidden_size)
+    if mxfp4_experts and arch != "gpt_oss":
+        raise ValueError(
+            f"mxfp4_experts is for arch='gpt_oss' (the format its release "
+            f"ships), not {arch!r}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -156,6 +164,10 @@ def write_tiny_checkpoint(
         )
         write_hf_weights(config_obj, out, draw, seed, _DTYPES[dtype])
         _write_generation_config(out, _special_ids())
+        if mxfp4_experts:
+            from vllm_afd.models.tiny_mxfp4 import quantize_experts_mxfp4
+
+            quantize_experts_mxfp4(out)
         return out
     config = tiny_config(
         arch,
