@@ -96,10 +96,6 @@ DTYPES = {"qwen3_next": "bfloat16"}
 #: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
 BF16_ATOL = 1e-2
 
-#: families whose routed experts carry biases: the async connector refuses
-#: to split them over FFN ranks (``FFNLayers.keep_experts``)
-EXPERT_BIASES = ("gpt_oss",)
-
 # (family, attention ranks, FFN ranks, gate on attention, connector): every
 # family with the gate on the attention role, where the split is the family's
 # own (its router taken out of the MoE block, routing payloads sent): two on
@@ -134,17 +130,15 @@ CASES = [
     ("gemma4", 1, 1, True, "p2p"),
     ("mimo_v2", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
+    # expert biases cut with the weights; its loader handed each all-expert
+    # tensor's rows of the rank's slice (``Family.whole_expert_tensors``)
+    ("gpt_oss", 1, 2, True, "async"),
     ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
 ]
 # AFD_TEST_ASYNC_FAMILIES=1: every family on the async connector at 2A2F too
-# (outside CI's time budget; docs/prefill.md quotes a run); families whose
-# experts carry biases are refused there (test_async_refuses_expert_biases)
+# (outside CI's time budget; docs/prefill.md quotes a run)
 if os.environ.get("AFD_TEST_ASYNC_FAMILIES") == "1":
-    CASES += [
-        (f, 2, 2, True, "async")
-        for f in LAYOUTS
-        if f != "glm4_moe" and f not in EXPERT_BIASES
-    ]
+    CASES += [(f, 2, 2, True, "async") for f in LAYOUTS if f != "glm4_moe"]
 # AFD_TEST_FAMILY_GATES=1: every family with its gate on the FFN role too, at
 # 1A1F (outside CI's time budget; docs/models.md says which ran)
 if os.environ.get("AFD_TEST_FAMILY_GATES") == "1":

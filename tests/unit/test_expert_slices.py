@@ -1,8 +1,9 @@
 """An ``async`` FFN rank keeps its own routed experts only: taken before
 the weights load (``FFNLayers.take_expert_slice``: vLLM's loader maps the
-checkpoint's expert ids into the slice and skips the others; an expert the
-loader left out is named), or cut after (``FFNLayers.keep_experts``); one
-row per expert, anything else refused by name."""
+checkpoint's expert ids into the slice and skips the others, or is handed
+the slice's rows of each all-expert tensor; an expert the loader left out is
+named), or cut after (``FFNLayers.keep_experts``); weights and biases one
+row per expert, quantized experts refused by name."""
 
 from __future__ import annotations
 
@@ -85,14 +86,39 @@ def test_a_rank_keeps_the_rows_of_its_experts():
     assert 2 * kept == before and layers.first_expert == 4
 
 
-def test_experts_with_biases_are_refused_naming_them():
-    """gpt-oss's experts carry biases: refused at load, by name."""
-    layers, _ = _layers(
-        w13_bias=torch.zeros(EXPERTS, 2 * WIDTH), w2_bias=torch.zeros(EXPERTS, HIDDEN)
-    )
-    for cut in (layers.take_expert_slice, layers.keep_experts):
-        with pytest.raises(AFDConfigError, match=r"layer 1: .* hold w13_bias, w2_bias"):
-            cut(0, 4)
+def test_expert_biases_are_cut_with_the_weights():
+    """gpt-oss's experts carry biases, one row per expert: cut alongside,
+    in place (vLLM's MoE quant config holds the bias parameters it hands
+    the CPU kernel), before the load or after it."""
+    biases = {
+        "w13_bias": torch.randn(EXPERTS, 2 * WIDTH),
+        "w2_bias": torch.randn(EXPERTS, HIDDEN),
+    }
+    layers, experts = _layers(**biases)
+    held = experts.w13_bias
+    layers.keep_experts(4, 8)
+    assert experts.w13_bias is held
+    assert torch.equal(experts.w13_bias, biases["w13_bias"][4:8])
+    assert torch.equal(experts.w2_bias, biases["w2_bias"][4:8])
+    layers, experts = _layers(**biases)
+    held = experts.w2_bias
+    layers.take_expert_slice(2, 5)
+    assert experts.w2_bias is held and experts.w2_bias.shape == (3, HIDDEN)
+
+
+def test_a_loader_of_whole_expert_tensors_gets_the_rows_of_the_slice():
+    """gpt-oss's loader copies ``[E, ...]`` tensors whole into the experts
+    (``Family.whole_expert_tensors``): the rank hands it its own rows."""
+    layers, _ = _layers()
+    layers.take_expert_slice(2, 5)
+    every = torch.arange(EXPERTS * 3.0).reshape(EXPERTS, 3)
+    weights = [("experts.gate_up_proj", every), ("norm.weight", torch.ones(3))]
+    out = dict(layers.own_expert_rows(weights, lambda n: n.startswith("experts.")))
+    assert torch.equal(out["experts.gate_up_proj"], every[2:5])
+    assert torch.equal(out["norm.weight"], torch.ones(3))
+    short = [("experts.down_proj", torch.zeros(EXPERTS - 1, 3))]
+    with pytest.raises(AFDConfigError, match=r"experts.down_proj has 7 rows"):
+        list(layers.own_expert_rows(short, lambda n: True))
 
 
 def test_quantized_experts_are_refused_naming_the_quantization():
@@ -110,6 +136,6 @@ def test_quantized_experts_are_refused_naming_the_quantization():
     with pytest.raises(
         AFDConfigError,
         match=r"layer 1: the routed experts are quantized \(Fp8MoEMethod\) and "
-        r"hold w13_weight_scale, w2_weight_scale",
+        r"hold w13_weight_scale, w2_weight_scale besides their weights and biases",
     ):
         layers.take_expert_slice(0, 4)

@@ -25,6 +25,11 @@ form the split can read:
   With the gate on the FFN role, where the FFN runs the whole block, the FFN
   then returns what the MoE layer returned, and the block on attention
   finishes it, so the tail runs once.
+* ``whole_expert_tensors``: the family's vLLM loader copies each checkpoint
+  tensor that holds every expert (``[E, ...]``) whole into the experts'
+  parameters, past vLLM's expert-id map (gpt-oss). An ``async`` FFN rank,
+  which holds only its slice of the experts, then hands the loader the rows
+  of its own experts.
 * ``moe_modules``: other vLLM modules that build part of the family's model
   (a family reusing another's MoE block, or another family's model class),
   each with its dense-MLP class there; the FFN role builds no embedding,
@@ -65,6 +70,7 @@ class Family:
             module whose classes build part of this family's model.
         layer_holds_moe: the decoder layer holds router and experts itself.
         block_tail: the MoE block changes its MoE layer's output.
+        whole_expert_tensors: the loader copies all-expert tensors whole.
     """
 
     name: str
@@ -77,6 +83,7 @@ class Family:
     moe_modules: tuple[tuple[str, str | None], ...] = ()
     layer_holds_moe: bool = False
     block_tail: bool = False
+    whole_expert_tensors: bool = False
 
     @property
     def module_path(self) -> str:
@@ -181,6 +188,7 @@ FAMILIES: tuple[Family, ...] = (
         dense_mlp=None,
         attention=("TransformerBlock.attention_cls",),
         gate="router",
+        whole_expert_tensors=True,
     ),
     Family(
         # Llama 4: router outside the runner, the routing weight applied to

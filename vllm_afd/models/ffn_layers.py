@@ -18,7 +18,7 @@ through :class:`~vllm_afd.models.moe_tail.MoEOutputParts`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -141,18 +141,21 @@ def _slice_map(lo: int, hi: int) -> Callable[[int], int]:
 
 #: weight dtypes of unquantized experts
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the routed-expert parameters an expert slice cuts, one row per expert
+#: (gpt-oss's experts carry biases)
+_PER_EXPERT = {"w13_weight", "w2_weight", "w13_bias", "w2_bias"}
 
 
 def _sliceable_params(idx: int, experts: nn.Module) -> dict[str, nn.Parameter]:
     """Layer ``idx``'s routed-expert parameters, each one row per expert.
 
     Raises:
-        AFDConfigError: they hold more than ``w13_weight`` and ``w2_weight``
-            (biases, quantization scales), which an expert slice does not
-            know how to cut.
+        AFDConfigError: they are quantized, or hold more than
+            ``w13_weight``, ``w2_weight`` and their biases (quantization
+            scales), which an expert slice does not know how to cut.
     """
     params = dict(experts.named_parameters(recurse=False))
-    extra = sorted(set(params) - {"w13_weight", "w2_weight"})
+    extra = sorted(set(params) - _PER_EXPERT)
     w13 = params.get("w13_weight")
     quantized = any("scale" in name for name in extra) or (
         w13 is not None and w13.dtype not in _ACTIVATION_DTYPES
@@ -164,7 +167,7 @@ def _sliceable_params(idx: int, experts: nn.Module) -> dict[str, nn.Parameter]:
         method = type(getattr(experts, "quant_method", None)).__name__
         what.append(f"are quantized ({method})")
     if extra:
-        what.append(f"hold {', '.join(extra)} besides w13_weight and w2_weight")
+        what.append(f"hold {', '.join(extra)} besides their weights and biases")
     raise AFDConfigError(
         f"layer {idx}: the routed experts {' and '.join(what)}; splitting "
         "their experts over FFN ranks (afd.connector='async') is not supported"
@@ -244,16 +247,44 @@ class FFNLayers:
         for idx, runner in self.runners.items():
             experts = runner.routed_experts
             params = _sliceable_params(idx, experts)
-            for name, param in params.items():
-                local = torch.nn.Parameter(
-                    param.data.new_full((hi - lo, *param.shape[1:]), float("nan")),
-                    requires_grad=False,
+            for param in params.values():
+                # in place: vLLM's weight_loader &c. stay, and so does any
+                # reference vLLM keeps to the parameter (its MoE quant config
+                # holds the bias parameters it feeds the CPU kernel)
+                param.data = param.data.new_full(
+                    (hi - lo, *param.shape[1:]), float("nan")
                 )
-                local.__dict__.update(param.__dict__)  # vLLM's weight_loader &c.
-                setattr(experts, name, local)
             experts._map_global_expert_id_to_local_expert_id = _slice_map(lo, hi)
         self.expert_slice = (lo, hi)
         self.first_expert = lo
+
+    def own_expert_rows(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        holds_every_expert: Callable[[str], bool],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's ``weights`` with each tensor of every expert (a
+        name ``holds_every_expert`` accepts: ``[E, ...]``) cut to this rank's
+        slice, for a loader that copies such tensors whole
+        (``Family.whole_expert_tensors``); after :meth:`take_expert_slice`.
+
+        Raises:
+            AFDConfigError: such a tensor's first dimension is not the
+                model's expert count.
+        """
+        assert self.expert_slice is not None, "take_expert_slice comes first"
+        lo, hi = self.expert_slice
+        for name, tensor in weights:
+            if holds_every_expert(name):
+                if tensor.shape[0] != self.split.num_experts:
+                    raise AFDConfigError(
+                        f"{name} has {tensor.shape[0]} rows where the model's "
+                        f"{self.split.num_experts} experts were expected; "
+                        "afd.connector='async' with several FFN ranks cannot "
+                        "split this checkpoint's experts"
+                    )
+                tensor = tensor[lo:hi]
+            yield name, tensor
 
     def check_slice_loaded(self) -> None:
         """After the weights load: every expert of the slice was loaded.
@@ -303,13 +334,10 @@ class FFNLayers:
         for idx, runner in self.runners.items():
             experts = runner.routed_experts
             params = _sliceable_params(idx, experts)
-            for name, param in params.items():
+            for param in params.values():
                 before += param.numel() * param.element_size() * total // len(param)
                 if taken is None:
-                    param = torch.nn.Parameter(
-                        param.data[lo:hi].clone(), requires_grad=False
-                    )
-                    setattr(experts, name, param)
+                    param.data = param.data[lo:hi].clone()  # in place, as above
                 kept += param.numel() * param.element_size()
             shared = runner.shared_experts
             if not keep_shared and shared is not None:

@@ -369,7 +369,19 @@ class RoleSplitMixin(nn.Module):
             )
 
         sliced = self._afd_take_expert_slice()
-        loaded = super().load_weights((n, t) for n, t in weights if owner(n) is role)
+        mine: Iterable[tuple[str, torch.Tensor]] = (
+            (n, t) for n, t in weights if owner(n) is role
+        )
+        family = family_of(self._afd_arch)
+        if sliced and family is not None and family.whole_expert_tensors:
+            assert self.afd_ffn is not None
+
+            def holds_every_expert(name: str) -> bool:
+                mapped = mapper._map_name(name) if mapper is not None else name
+                return under_any(mapped or name, split.prefixes.routed_experts)
+
+            mine = self.afd_ffn.own_expert_rows(mine, holds_every_expert)
+        loaded = super().load_weights(mine)
         if sliced:
             assert self.afd_ffn is not None
             self.afd_ffn.check_slice_loaded()
