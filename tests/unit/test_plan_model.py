@@ -9,7 +9,7 @@ import json
 import pytest
 
 from vllm_afd.cli import plan as plan_cli
-from vllm_afd.cli import plan_format
+from vllm_afd.cli import plan_format, plan_model
 from vllm_afd.cli.main import build_parser
 from vllm_afd.cli.plan_fit import Point, build_profile
 from vllm_afd.cli.plan_model import (
@@ -29,15 +29,14 @@ from vllm_afd.cli.plan_profile import LogWatch
 def _profile(platform: str = "cuda", **kw) -> Profile:
     """Linear parts: T_a = 1 ms + 0.1 ms/seq, T_f = 2 ms + 0.01 ms/token,
     T_c = 0.05 ms, plain = 3 ms + 0.12 ms/seq."""
+    parts = {
+        "attention": {128: Curve(((1, 1.1e-3), (64, 7.4e-3)))},
+        "colocated": {128: Curve(((1, 3.12e-3), (64, 10.68e-3)))},
+        "ffn": Curve(((1, 2.01e-3), (64, 2.64e-3))),
+        "comm": Curve(((1, 5e-5), (64, 5e-5))),
+    }
     return Profile(
-        platform=platform,
-        remote_layers=4,
-        decode_tokens=16,
-        attention={128: Curve(((1, 1.1e-3), (64, 7.4e-3)))},
-        colocated={128: Curve(((1, 3.12e-3), (64, 10.68e-3)))},
-        ffn=Curve(((1, 2.01e-3), (64, 2.64e-3))),
-        comm=Curve(((1, 5e-5), (64, 5e-5))),
-        **kw,
+        platform=platform, remote_layers=4, decode_tokens=16, **{**parts, **kw}
     )
 
 
@@ -510,3 +509,39 @@ def test_every_measured_request_has_a_salt_of_its_own(monkeypatch) -> None:
     assert "cache_salt" not in json.loads(
         bench_workload._body("m", bench_workload.Request(0, (1,), 2), stream=True)
     )
+
+
+def test_a_prediction_beyond_what_the_shared_device_allows_is_never_picked() -> None:
+    """One GPU: plain vLLM measured at 60 ms per step at batch 64 bounds what
+    the same device can give 64 sequences of AFD; a 10 ms AFD step there
+    breaks the bound, is shown as such and not recommended (the plan's
+    first GPU profile recommended such a deployment at 2.68x plain)."""
+    slow_plain = {128: Curve(((1, 3.12e-3), (64, 60e-3)))}
+    prof = _profile("cuda-shared", colocated=slow_plain)
+    p = plan_model.bounded(prof, predict(prof, Candidate(1, 1), 128, 64), "tok/s/GPU")
+    assert not p.fits and p.over_bound == p.why_not
+    assert "breaks the device bound" in p.over_bound
+    assert "plain vLLM at batch 64 on this device, 0% measured overlap" in p.over_bound
+    plan = make_plan(prof, 2, [128], [1, 64], None, max_ubatches=1)
+    assert [(q.name, q.batch) for q in plan.over_bound] == [("1A1F", 64)]
+    assert plan.recommended is not None and plan.recommended.batch == 1
+    assert "not trusted: breaks the device bound" in plan_format.format_plan(
+        plan, prof.unit
+    )
+    # separate devices: no such bound
+    assert predict(_profile(colocated=slow_plain), Candidate(1, 1), 128, 64).fits
+
+
+def test_the_device_bound_allows_the_overlap_that_was_measured() -> None:
+    """S_2 measured at -40 % of the 2A1F parts: 2A1F may beat plain vLLM at
+    twice the batch by up to 1 / (1 - 0.4), plus the slack."""
+    prof = _profile("cuda-shared")
+    t_a, t_c, t_f = prof.attention[128](8), 5e-5, prof.ffn(16)
+    s2 = -0.4 * (2 * t_a + t_c + t_f)
+    shared = _profile("cuda-shared", sharing={2: {128: Curve(((8, s2),), True)}})
+    assert plan_model.measured_overlap(shared, 128, 8) == pytest.approx(0.4)
+    limit, overlap = plan_model.device_limit(shared, Candidate(2, 1), 128, 8)
+    plain_tps = 16 / prof.colocated[128](16)
+    assert limit == pytest.approx(plain_tps / 0.6 * (1 + plan_model.BOUND_SLACK))
+    assert overlap == pytest.approx(0.4)
+    assert plan_model.measured_overlap(prof, 128, 8) == 0.0

@@ -76,6 +76,10 @@ def format_plan(plan: Plan, unit: str) -> str:
                 f"{p.tokens_per_s_per_device:>14.1f} {ratio:>13} "
                 f"{p.bound.value if p.bound else '-'}"
             )
+    for p in plan.over_bound:
+        lines.append(
+            f"{p.context:>8} {p.name:<12} {p.batch:>6} not trusted: {p.over_bound}"
+        )
     rec = plan.recommended
     if rec is None:
         lines.append(f"recommended: none ({plan.reason})")

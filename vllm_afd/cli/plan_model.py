@@ -55,6 +55,19 @@ devices, ``b / T_pN(b) / N`` per device (per host on shared cores:
 not modelled. A batch fits when ``b*(c + decode tokens)`` fits the KV
 capacity of the rank and the step meets the TPOT SLO.
 
+The device bound (shared devices only): the roles of a deployment on one
+device do the work plain vLLM does there for the same sequences, and more
+(the exchanges), so x attention ranks of b sequences cannot beat plain
+vLLM's throughput at batch x*b on that device except by what running
+processes side by side was measured to overlap::
+
+    limit(b) = (x*b / T_p(x*b)) / (1 - o(b)) * (1 + BOUND_SLACK)
+    o(b)     = the largest measured saving fraction: -S_k(b) over the kA1F
+               parts it corrects (k*T_a(b) + T_c(b) + T_f(k*b)), -U(b) over
+               the 1A1F parts; 0 where none is negative; at most MAX_OVERLAP
+
+A prediction above ``limit`` breaks the bound: shown as such, never picked.
+
 Curves interpolate linearly between measured points and extrapolate from the
 last two (never below zero); a context not measured takes the nearest
 measured one. Pure: no vLLM, no I/O.
@@ -75,6 +88,11 @@ SHARED_PLATFORMS = ("cpu", "cuda-shared")
 #: the most attention ranks a shared device's profile measures S_k on (one
 #: deployment each); larger counts take S of the largest measured
 MAX_SHARED_RANKS = 4
+#: the device bound's allowance for measurement noise (the parts and plain
+#: vLLM's steps are medians of separate runs)
+BOUND_SLACK = 0.10
+#: the most of a step the measured overlap may be taken to save
+MAX_OVERLAP = 0.9
 
 
 class Bound(enum.Enum):
@@ -276,6 +294,8 @@ class Prediction:
     fits: bool = True
     why_not: str = ""
     candidate: Candidate | None = None
+    #: why it breaks the device bound ("" when it does not)
+    over_bound: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -346,6 +366,55 @@ def _correction(
         return 0.0
     value = _nearest(curves, context)(batch)
     return value if floor_s is None else max(value, -floor_s)
+
+
+def measured_overlap(profile: Profile, context: int, batch: int) -> float:
+    """``o(b)``: the largest fraction of a step that running processes side
+    by side on the shared device was measured to save (0: none)."""
+    t_a = _nearest(profile.attention, context)(batch)
+    t_c = profile.comm(batch)
+    savings = [
+        -_correction(curves, context, batch, None)
+        / (k * t_a + t_c + profile.ffn(k * batch))
+        for k, curves in profile.sharing.items()
+    ]
+    if profile.ubatching:
+        parts = t_a + t_c + profile.ffn(batch)
+        savings.append(-_correction(profile.ubatching, context, batch, None) / parts)
+    return min(max([0.0, *savings]), MAX_OVERLAP)
+
+
+def device_limit(
+    profile: Profile, cand: Candidate, context: int, batch: int
+) -> tuple[float, float] | None:
+    """On a shared device: the most tokens/s ``cand`` can give at ``batch``
+    (``limit(b)``, slack included) and the overlap ``o(b)`` it allows; None
+    on separate devices or where plain vLLM was not measured."""
+    if not profile.shared_cores or not profile.colocated:
+        return None
+    total = cand.attention_ranks * batch
+    plain_step = _nearest(profile.colocated, context)(total)
+    if plain_step <= 0:
+        return None
+    overlap = measured_overlap(profile, context, batch)
+    return total / plain_step / (1 - overlap) * (1 + BOUND_SLACK), overlap
+
+
+def bounded(profile: Profile, p: Prediction, unit: str) -> Prediction:
+    """``p``, marked when it breaks the device bound (and then unfit)."""
+    if p.candidate is None:
+        return p
+    limit = device_limit(profile, p.candidate, p.context, p.batch)
+    if limit is None or p.tokens_per_s_per_device <= limit[0]:
+        return p
+    total = p.candidate.attention_ranks * p.batch
+    why = (
+        f"breaks the device bound: {p.tokens_per_s_per_device:.1f} {unit} "
+        f"predicted, at most {limit[0]:.1f} possible (plain vLLM at batch "
+        f"{total} on this device, {limit[1]:.0%} measured overlap, "
+        f"{BOUND_SLACK:.0%} slack)"
+    )
+    return dataclasses.replace(p, fits=False, why_not=why, over_bound=why)
 
 
 def predict_colocated(
@@ -421,8 +490,10 @@ def best_batch(
         if cand is None:
             p = predict_colocated(profile, context, b, tp)
         else:
-            p = predict(profile, cand, context, b)
-        tried.append(_fits(p, kv, context, profile.decode_tokens, slo_s))
+            p = bounded(profile, predict(profile, cand, context, b), profile.unit)
+        if p.fits:
+            p = _fits(p, kv, context, profile.decode_tokens, slo_s)
+        tried.append(p)
     fitting = [p for p in tried if p.fits]
     best = max(fitting, key=lambda p: p.tokens_per_s_per_device, default=None)
     return Choice(best, tuple(tried))
@@ -448,11 +519,14 @@ class Plan:
     recommended: Prediction | None
     reason: str
     unfit: tuple[Prediction, ...] = field(default=())
+    #: predictions that broke the device bound (never recommended)
+    over_bound: tuple[Prediction, ...] = field(default=())
 
     def to_json(self) -> dict:
         return {
             "contexts": list(self.contexts),
             "rows": [p.to_json() for p in self.rows],
+            "over_bound": [p.to_json() for p in self.over_bound],
             "baselines": {
                 str(c): p.to_json() if p else None for c, p in self.baselines.items()
             },
@@ -472,13 +546,14 @@ def make_plan(
 ) -> Plan:
     """Predict every deployment that fits ``devices``; recommend the one with
     the most tokens/s per device, averaged over ``contexts``."""
-    rows, unfit = [], []
+    rows, unfit, over = [], [], []
     score: dict[str, list[Prediction]] = {}  # per deployment, its best per context
     if profile.shared_cores and not profile.ubatching:
         max_ubatches = 1  # U not measured: no micro-batches to predict
     for cand in candidates(devices, max_ubatches):
         for c in contexts:
             choice = best_batch(profile, cand, c, batches, slo_s)
+            over += [p for p in choice.tried if p.over_bound]
             if choice.best is None:
                 unfit.append(choice.tried[0])
                 continue
@@ -494,8 +569,8 @@ def make_plan(
     full = {k: v for k, v in score.items() if len(v) == len(contexts)}
     if not full:
         return Plan(tuple(contexts), tuple(rows), baselines, None,
-                    "no deployment fits the device budget, KV capacity and SLO",
-                    tuple(unfit))  # fmt: skip
+                    "no deployment fits the device budget, KV capacity, SLO "
+                    "and device bound", tuple(unfit), tuple(over))  # fmt: skip
     pick = max(full, key=lambda k: _mean(p.tokens_per_s_per_device for p in full[k]))
     best = max(full[pick], key=lambda p: p.tokens_per_s_per_device)
     assert best.bound is not None  # predict() bounds every deployment
@@ -504,7 +579,10 @@ def make_plan(
     reason = f"{REASONS[best.bound]}; {ratio:.2f}x colocated per device" if base else (
         REASONS[best.bound]
     )  # fmt: skip
-    return Plan(tuple(contexts), tuple(rows), baselines, best, reason, tuple(unfit))
+    return Plan(
+        tuple(contexts), tuple(rows), baselines, best, reason, tuple(unfit),
+        tuple(over),
+    )  # fmt: skip
 
 
 def _best(predictions: Iterable[Prediction | None]) -> Prediction | None:
