@@ -85,9 +85,14 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     except ImportError:
         pass
 
-    again = _plan(model, tmp_path, "--json", str(tmp_path / "again.json"))
+    # the cached profile, and the scale model on 6 separate devices from it
+    again = _plan(model, tmp_path, "--json", str(tmp_path / "again.json"),
+                  "--target-devices", "6")  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert "using the cached profile" in again.stderr
     assert "starting" not in again.stderr  # no server
     cached = json.loads((tmp_path / "again.json").read_text())
     assert cached["plan"] == data["plan"]
+    assert "predicted on 6 separate devices" in again.stdout
+    scaled = {p["name"] for p in cached["target_devices"]["rows"]}
+    assert {"5A1F", "3A3F", "1A1F"} <= scaled, scaled

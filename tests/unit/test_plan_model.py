@@ -545,3 +545,59 @@ def test_the_device_bound_allows_the_overlap_that_was_measured() -> None:
     assert limit == pytest.approx(plain_tps / 0.6 * (1 + plan_model.BOUND_SLACK))
     assert overlap == pytest.approx(0.4)
     assert plan_model.measured_overlap(prof, 128, 8) == 0.0
+
+
+def test_the_scale_model_charges_the_link_and_counts_separate_devices() -> None:
+    """--target-devices: the measured parts on devices of their own, the
+    round trip charged by the link, nothing of what sharing cost."""
+    link = plan_model.Link(latency_s=5e-6, bytes_per_s=100e9, bytes_per_token=1024)
+    assert link.step_s(64, 4) == pytest.approx(4 * (10e-6 + 64 * 1024 / 100e9))
+    shared = _profile("cuda-shared", sharing={2: {128: Curve(((8, -1e-3),), True)}})
+    scaled = plan_model.on_separate_devices(shared, link, max_tokens=64)
+    assert scaled.platform == "separate" and not scaled.shared_cores
+    assert scaled.sharing == {} and scaled.ubatching == {}
+    assert scaled.comm(16) == pytest.approx(link.step_s(16, 4))
+    assert scaled.comm(256) == pytest.approx(link.step_s(256, 4))  # linear beyond
+    p = predict(scaled, Candidate(3, 1), 128, 8)
+    t_a, t_f = shared.attention[128](8), shared.ffn(24)
+    assert p.step_s == pytest.approx(t_a + link.step_s(8, 4) + t_f)
+    assert p.tokens_per_s_per_device == pytest.approx(24 / p.step_s / 4)
+    plan = make_plan(scaled, 8, [128], [1, 16, 64], None, max_ubatches=1)
+    assert {q.name for q in plan.rows} >= {"7A1F", "4A4F", "1A1F"}
+    text = plan_format.format_scaled(plan, 8, link)
+    assert "predicted on 8 separate devices" in text
+    assert "not checked on such hardware" in text and "1024 bytes per token" in text
+
+
+def test_the_link_counts_what_the_model_moves_per_token(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 2048, "num_experts_per_tok": 8, "dtype": "bfloat16"})
+    )
+    args = argparse.Namespace(
+        model=str(tmp_path), vllm_args=[], gate_on_attention=False,
+        link_latency_us=5.0, link_gb_s=100.0,
+    )  # fmt: skip
+    assert plan_cli.model_link(args).bytes_per_token == 2048 * 2 * 2
+    args.vllm_args, args.gate_on_attention = ["--dtype=float32"], True
+    assert plan_cli.model_link(args).bytes_per_token == 2048 * 4 * 2 + 8 * 8
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 1024, "n_shared_experts": 1})
+    )
+    args.vllm_args, args.gate_on_attention = [], False
+    link = plan_cli.model_link(args)
+    assert link.bytes_per_token == 1024 * 2 * 3  # shared experts: F2A in 2 parts
+    assert link.latency_s == pytest.approx(5e-6) and link.bytes_per_s == 100e9
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target-devices", "1"], "--target-devices=1 must be >= 2"),
+        (["--target-devices", "8", "--link-gb-s", "0"], "--link-gb-s=0.0 positive"),
+    ],
+)
+def test_target_devices_flags_are_checked(tmp_path, capsys, argv, message) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = build_parser().parse_args(["plan", str(tmp_path), *argv])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err

@@ -29,15 +29,22 @@ from typing import Any
 from vllm_afd.cli import bench_report, plots
 from vllm_afd.cli.bench_workload import model_info
 from vllm_afd.cli.plan_fit import Point
-from vllm_afd.cli.plan_format import format_check, format_plan, format_profile
+from vllm_afd.cli.plan_format import (
+    format_check,
+    format_plan,
+    format_profile,
+    format_scaled,
+)
 from vllm_afd.cli.plan_model import (
     MAX_SHARED_RANKS,
     SHARED_PLATFORMS,
     Candidate,
+    Link,
     Plan,
     Profile,
     best_batch,
     make_plan,
+    on_separate_devices,
 )
 from vllm_afd.cli.plan_profile import (
     LogWatch,
@@ -54,6 +61,13 @@ from vllm_afd.topology import Topology
 
 #: bumped when what the cache holds changes meaning
 CACHE_VERSION = 3
+#: --target-devices' default link: half the cuda_ipc round trip measured in
+#: CUDA graphs on one H100/H200 (8.9-10.8 us at 1-256 tokens of hidden 2048),
+#: and a bandwidth below NVLink's per direction
+LINK_LATENCY_US = 5.0
+LINK_GB_S = 100.0
+#: bytes of the activation dtypes vLLM's --dtype names
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 #: vLLM's own routing simulation (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``):
 #: every router picks top-k experts uniformly at random, so the experts are
 #: loaded evenly whatever the weights and prompts
@@ -119,6 +133,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the visible GPUs, on CPU 4",
     )  # fmt: skip
     p.add_argument("--max-ubatches", type=int, default=2, help="micro-batch counts")
+    p.add_argument(
+        "--target-devices", type=int, default=None,
+        help="also predict every xAyF on N separate devices from the parts "
+        "measured here, the round trip charged by the link below (a prediction "
+        "for hardware not measured, printed as such)",
+    )  # fmt: skip
+    p.add_argument(
+        "--link-latency-us", type=float, default=LINK_LATENCY_US,
+        help="--target-devices: one-way latency of a message between an "
+        "attention and an FFN device",
+    )  # fmt: skip
+    p.add_argument(
+        "--link-gb-s", type=float, default=LINK_GB_S,
+        help="--target-devices: bandwidth between an attention and an FFN "
+        "device, GB/s",
+    )  # fmt: skip
     p.add_argument(
         "--tp-baselines", type=_ints("--tp-baselines"), default=[],
         help="also measure plain vLLM with these tensor-parallel sizes (each "
@@ -339,6 +369,37 @@ def _measured_step(
     return statistics.median(steps)
 
 
+def model_link(args: argparse.Namespace) -> Link:
+    """The scale model's link for the model of ``args``: per token and remote
+    layer, the hidden state each way (twice, with shared experts: the FFN
+    ships the routed and shared outputs apart) and, with the gate on
+    attention, the top-k ids and weights (4 bytes each)."""
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    hidden = int(config["hidden_size"])
+    dtype = _vllm_arg(args.vllm_args, "--dtype") or "auto"
+    if dtype == "auto":
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    act = _DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
+    shared = any(
+        config.get(k) for k in ("n_shared_experts", "shared_expert_intermediate_size")
+    )
+    per_token = hidden * act * (1 + (2 if shared else 1))
+    if args.gate_on_attention:
+        per_token += 8 * int(config.get("num_experts_per_tok") or 0)
+    return Link(args.link_latency_us * 1e-6, args.link_gb_s * 1e9, per_token)
+
+
+def _vllm_arg(argv: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def _slo(args: argparse.Namespace) -> float | None:
     return args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None
 
@@ -357,6 +418,13 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"--max-ubatches={args.max_ubatches} must be >= 1"
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         return f"--tpot-slo-ms={args.tpot_slo_ms} must be positive"
+    if args.target_devices is not None and args.target_devices < 2:
+        return f"--target-devices={args.target_devices} must be >= 2 (one per role)"
+    if args.link_latency_us < 0 or args.link_gb_s <= 0:
+        return (
+            f"--link-latency-us={args.link_latency_us} must be >= 0 and "
+            f"--link-gb-s={args.link_gb_s} positive"
+        )
     if args.tp_baselines and args.tp_baselines[0] < 2:
         return (
             f"--tp-baselines={','.join(map(str, args.tp_baselines))}: sizes must "
@@ -446,6 +514,15 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"routing: {routing or 'the model router'}")
         print(format_profile(prof, points["afd"]))
         print(format_plan(plan, unit), flush=True)
+        scaled = None
+        if args.target_devices:
+            link = model_link(args)
+            scaled = make_plan(
+                on_separate_devices(prof, link, max(args.batch_sizes)),
+                args.target_devices, args.context_lens, args.batch_sizes,
+                _slo(args), args.max_ubatches,
+            )  # fmt: skip
+            print(format_scaled(scaled, args.target_devices, link), flush=True)
         checked = check(args, spec, prof, plan, gpus, log) if args.check else []
         if checked:
             print(format_check(checked, unit, plan))
@@ -461,6 +538,7 @@ def run_plan(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({
             "profile": prof.to_json(), "points": points,
             "plan": plan.to_json(), "check": checked, "devices": devices,
+            "target_devices": scaled.to_json() if scaled else None,
             "routing": routing or "model",
             "provenance": where,
         }, indent=1))  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from vllm_afd.cli.plan_model import Plan, Profile
+from vllm_afd.cli.plan_model import Link, Plan, Profile
 
 
 def format_profile(prof: Profile, afd: list[dict]) -> str:
@@ -112,3 +112,14 @@ def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
             f"measured: {best['deployment']} (recommended: {rec})"
         )
     return "\n".join(lines)
+
+
+def format_scaled(plan: Plan, devices: int, link: Link) -> str:
+    """The scale model's plan: every xAyF on ``devices`` separate devices."""
+    head = (
+        f"predicted on {devices} separate devices (a prediction from the parts "
+        f"measured here, not checked on such hardware; link "
+        f"{link.latency_s * 1e6:.1f} us one way, {link.bytes_per_s / 1e9:.0f} "
+        f"GB/s, {link.bytes_per_token} bytes per token and layer)"
+    )
+    return head + "\n" + format_plan(plan, "tok/s/device")

@@ -68,6 +68,17 @@ processes side by side was measured to overlap::
 
 A prediction above ``limit`` breaks the bound: shown as such, never picked.
 
+The scale model (``--target-devices N``): the same deployments on N separate
+devices, from the parts measured here, with the measured round trip
+replaced by a link of latency ``lat`` (one way) and bandwidth ``bw``::
+
+    T_link(t) = L * (2*lat + t * bytes_per_token / bw)
+    bytes_per_token = H * act_bytes * (1 + F2A parts) + 8 * top_k (gate on
+                      attention: the routing's ids and weights)
+
+and the separate-devices rows above (``T_c`` := ``T_link``, no ``S``, no
+``U``): a prediction for hardware the parts were not measured on, labelled so.
+
 Curves interpolate linearly between measured points and extrapolate from the
 last two (never below zero); a context not measured takes the nearest
 measured one. Pure: no vLLM, no I/O.
@@ -148,6 +159,7 @@ class Profile:
     Attributes:
         platform: ``cuda`` (roles on separate devices), ``cuda-shared``
             (every role on one GPU) or ``cpu`` (roles share one host's cores);
+            ``separate``: the scale model's devices (:func:`on_separate_devices`);
             on the shared ones nothing overlaps and concurrent ranks add up.
         remote_layers: layers that cross the connector per step.
         decode_tokens: tokens each measured request generated.
@@ -244,6 +256,34 @@ class Profile:
                 int(n): kv for n, kv in d.get("kv_tokens_colocated_tp", {}).items()
             },
         )
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between an attention and an FFN device the scale model
+    charges: ``latency_s`` one way per message, ``bytes_per_s``, and the
+    bytes one token moves per remote layer (both directions)."""
+
+    latency_s: float
+    bytes_per_s: float
+    bytes_per_token: int
+
+    def step_s(self, tokens: float, layers: int) -> float:
+        """``T_link``: one step's exchanges of ``tokens`` over ``layers``."""
+        each = 2 * self.latency_s + tokens * self.bytes_per_token / self.bytes_per_s
+        return layers * each
+
+
+def on_separate_devices(profile: Profile, link: Link, max_tokens: int) -> Profile:
+    """``profile`` as every role on a device of its own would see it: the
+    measured parts, the round trip charged by ``link`` (linear in the
+    tokens, so two points up to ``max_tokens`` hold it), and nothing of what
+    sharing one device cost or overlapped (no ``S``, no ``U``)."""
+    sizes = (1.0, float(max(max_tokens, 2)))
+    comm = Curve(tuple((t, link.step_s(t, profile.remote_layers)) for t in sizes))
+    return dataclasses.replace(
+        profile, platform="separate", comm=comm, sharing={}, ubatching={}
+    )
 
 
 def _nearest(curves: dict[int, Curve], context: int) -> Curve:
