@@ -36,10 +36,11 @@ def register() -> None:
 
         if envs.server_pid() is not None:  # an engine or worker of an AFD server
             engine_config.register_afd_models()
-            from vllm_afd.compat import engine_step
+            from vllm_afd.compat import engine_step, independent_ranks
             from vllm_afd.serving import stop_log
 
             engine_step.install()
+            independent_ranks.install()
             stop_log.install()
     except Exception as exc:  # stored, re-raised when AFD is requested
         _registration_error = exc

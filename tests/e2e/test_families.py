@@ -43,6 +43,7 @@ from harness import (
     prompts,
     run_workload,
     served_model,
+    settled_metrics,
     wait_for,
 )
 
@@ -237,6 +238,26 @@ def test_family_exact_and_role_split(
 
     if connector == "async":
         _check_expert_slices(run.log, EXPERTS[family], ffn_ranks)
+    if connector == "async" and ranks > 1:
+        _check_ranks_step_on_their_own(spec)
+
+
+def _check_ranks_step_on_their_own(spec) -> None:
+    """The async connector's attention ranks run as independent engines
+    (``compat.independent_ranks``): while one serves a request, the other,
+    idle, takes no step (in vLLM's lockstep of an MoE model's data-parallel
+    ranks it would run a dummy forward through AFD every step)."""
+    afd, _ = POOL.deployment(spec)
+    url = afd.api_url
+    before = settled_metrics(url)
+    run_workload(url, served_model(url), prompts(1))
+    after = settled_metrics(url)
+    steps = {
+        rank: after.get(("afd_steps", "attention", str(rank)), 0.0)
+        - before.get(("afd_steps", "attention", str(rank)), 0.0)
+        for rank in range(spec.attention_ranks)
+    }
+    assert min(steps.values()) == 0 < max(steps.values()), steps
 
 
 def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector: str):

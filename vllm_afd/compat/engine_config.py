@@ -27,6 +27,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from vllm_afd import envs
+from vllm_afd.compat import independent_ranks
 from vllm_afd.compat.patching import Patch, apply_patch
 from vllm_afd.compat.workers import (
     CPU_DEFAULT_WORKER,
@@ -96,7 +97,10 @@ def _wrap_create_engine_config(original: Any) -> Any:
         _enable_worker_metrics()
         worker_cls_was_auto = self.worker_cls == "auto"
         register_afd_models()
-        config = original(self, *args, **kwargs)
+        if independent_ranks.applies(afd):
+            config = _with_independent_ranks(original, self, *args, **kwargs)
+        else:
+            config = original(self, *args, **kwargs)
         apply_afd_to_vllm_config(config, afd, worker_cls_was_auto=worker_cls_was_auto)
         from vllm_afd.serving import stop_log
 
@@ -121,6 +125,25 @@ def _wrap_create_engine_config(original: Any) -> Any:
         return config
 
     return create_engine_config
+
+
+def _with_independent_ranks(
+    original: Any, engine_args: Any, *args: Any, **kwargs: Any
+) -> VllmConfig:
+    """``original`` with the model config marked as it is created, before
+    vLLM reads ``is_moe`` from it (``compat.independent_ranks``)."""
+    create = engine_args.create_model_config
+
+    def create_model_config(*a: Any, **k: Any) -> Any:
+        model_config = create(*a, **k)
+        independent_ranks.mark(model_config)
+        return model_config
+
+    engine_args.create_model_config = create_model_config
+    try:
+        return original(engine_args, *args, **kwargs)
+    finally:
+        del engine_args.create_model_config
 
 
 def _enable_worker_metrics() -> None:
@@ -189,14 +212,11 @@ def validate_against_vllm(config: VllmConfig, afd: AFDConfig) -> None:
             f"{parallel.pipeline_parallel_size}"
         )
     topology = afd.topology
+    dp_rank, dp_size = independent_ranks.data_parallel_place(parallel, afd)
     endpoint_rank(
-        topology,
-        afd.role,
-        dp_rank=parallel.data_parallel_rank,
-        dp_size=parallel.data_parallel_size,
-        tp_rank=0,
+        topology, afd.role, dp_rank=dp_rank, dp_size=dp_size, tp_rank=0,
         ffn_rank=afd.rank,
-    )
+    )  # fmt: skip
     if config.speculative_config is not None:
         raise AFDConfigError("AFD does not support speculative decoding yet")
     if afd.is_ffn and config.kv_transfer_config is not None:

@@ -16,6 +16,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
+from vllm_afd.compat import independent_ranks
 from vllm_afd.config import AFDConfig
 from vllm_afd.connector import factory
 from vllm_afd.connector.async_ep import AsyncEndpoint
@@ -83,14 +84,11 @@ def open_endpoint(
     parallel = vllm_config.parallel_config
     topology = afd.topology
     tp_rank = get_tensor_model_parallel_rank()
+    dp_rank, dp_size = independent_ranks.data_parallel_place(parallel, afd)
     role_rank = endpoint_rank(
-        topology,
-        afd.role,
-        dp_rank=parallel.data_parallel_rank,
-        dp_size=parallel.data_parallel_size,
-        tp_rank=tp_rank,
+        topology, afd.role, dp_rank=dp_rank, dp_size=dp_size, tp_rank=tp_rank,
         ffn_rank=afd.rank,
-    )
+    )  # fmt: skip
     fingerprint = fingerprint_of(vllm_config, afd, split)
     limits = factory.ExchangeLimits(
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
@@ -108,7 +106,7 @@ def open_endpoint(
         connector.start()
     rank = role_rank
     if rank is None:
-        rank = (afd.rank or 0) if afd.is_ffn else parallel.data_parallel_rank
+        rank = (afd.rank or 0) if afd.is_ffn else dp_rank
     peers = topology.peers(afd.role, rank)
     logger.info(
         "AFD %s rank %d/%d (tp rank %d%s): topology %s, peers %s rank(s) %s, "
