@@ -52,6 +52,10 @@ ONE_GPU_ARGS = [
 ]
 
 
+#: the same with FULL CUDA graphs for decode
+ONE_GPU_GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
+
+
 def gpu_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
     """``harness.make_spec`` with the roles on GPUs 0 and 1 by default, over
     NCCL there (as ``auto`` does; pinned so that the tests stay NCCL's)."""

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 from gpu_harness import (
-    FULL_DECODE_ONLY,
     ONE_GPU,
     ONE_GPU_ARGS,
+    ONE_GPU_GRAPHS,
     afd_and_plain,
     gpu_spec,
     same_count,
@@ -34,7 +34,7 @@ from harness import assert_same_outputs, prompts
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 ATOL = 1e-2
-GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
+GRAPHS = ONE_GPU_GRAPHS
 FAMILIES = (
     "llama4",
     "granitemoeshared",

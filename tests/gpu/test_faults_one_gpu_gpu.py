@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import FULL_DECODE_ONLY, ONE_GPU, ONE_GPU_ARGS, gpu_spec
+from gpu_harness import ONE_GPU, ONE_GPU_GRAPHS, gpu_spec
 from harness import (
     Supervisor,
     assert_same_outputs,
@@ -44,7 +44,7 @@ from harness import (
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 TIMEOUT_S = 10.0
-GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
+GRAPHS = ONE_GPU_GRAPHS
 TEXTS = prompts(16)
 ATOL = 1e-2
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_harness import FULL_DECODE_ONLY, ONE_GPU, ONE_GPU_ARGS, afd_and_plain, gpu_spec
+from gpu_harness import ONE_GPU, ONE_GPU_ARGS, ONE_GPU_GRAPHS, afd_and_plain, gpu_spec
 from harness import assert_same_outputs, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 ATOL = 1e-2
 EAGER = ONE_GPU_ARGS
-GRAPHS = [a for a in ONE_GPU_ARGS if a != "--enforce-eager"] + FULL_DECODE_ONLY
+GRAPHS = ONE_GPU_GRAPHS
 
 
 CASES = [
