@@ -45,3 +45,23 @@ def test_a_decoder_layer_holding_its_moe_refuses_the_gate_on_the_ffn_role():
         config = SimpleNamespace(additional_config={"afd": afd})
         with pytest.raises(AFDConfigError, match="set afd.compute_gate_on_attention"):
             role_split_class("Gemma4ForCausalLM")(vllm_config=config)
+
+
+def test_an_alias_is_split_as_the_architecture_whose_class_vllm_builds():
+    """ExaoneMoE and Granite-MoE-SWA are vLLM's aliases: their role-split
+    classes derive from the very class of the architecture tested end to end
+    (tests/e2e/test_families.py), with the same family record."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from vllm_afd.models.families import family_of
+    from vllm_afd.models.split import role_split_class
+
+    for alias, tested in [
+        ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"),
+        ("GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM"),
+    ]:
+        assert _VLLM_MODELS[alias] == _VLLM_MODELS[tested]
+        assert family_of(alias) is family_of(tested)
+        (native,) = role_split_class(tested).__mro__[2:3]
+        assert role_split_class(alias).__mro__[2] is native
+        assert role_split_class(alias)._afd_arch == alias

@@ -206,7 +206,9 @@ FAMILIES: tuple[Family, ...] = (
         # Granite-MoE's block with a shared MLP beside it in each layer
         name="granitemoeshared",
         module="granitemoeshared",
-        archs=("GraniteMoeSharedForCausalLM",),
+        # Granite-MoE-SWA: vLLM builds it with the same class (sliding windows
+        # are the attention's, on the attention role)
+        archs=("GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM"),
         dense_mlp="GraniteMoeSharedMLP",
         attention=("GraniteMoeAttention",),
         moe_modules=(("granitemoe", None),),
@@ -225,7 +227,8 @@ FAMILIES: tuple[Family, ...] = (
         # grouped top-k with a correction bias the MoE block holds itself
         name="exaone_moe",
         module="exaone_moe",
-        archs=("ExaoneMoeForCausalLM",),
+        # the second spelling is vLLM's alias of the same class
+        archs=("ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM"),
         dense_mlp="ExaoneMoeGatedMLP",
         attention=("ExaoneMoeAttention",),
         gate_parts=("e_score_correction_bias",),

@@ -126,6 +126,13 @@ def moe_architectures() -> list[tuple[str, str]]:
     return sorted((a, m) for a, m in archs.items() if m in moe)
 
 
+def _vllm_class(arch: str) -> str:
+    """The class vLLM's registry builds ``arch`` with."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    return _VLLM_MODELS[arch][1]
+
+
 def table_markdown() -> str:
     """The docs/models.md table of every MoE architecture."""
     rows = ["| Architecture | vLLM module | AFD |", "|---|---|---|"]
@@ -133,6 +140,9 @@ def table_markdown() -> str:
         family = family_of(arch)
         if family is not None:
             what = f"served (record `{family.name}`)"
+            built_as = _vllm_class(arch)
+            if built_as != arch:
+                what += f"; vLLM builds it with the class of `{built_as}`"
             if arch in GPU_ONLY:
                 what += f"; {GPU_ONLY[arch]}"
         else:
