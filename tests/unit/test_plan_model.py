@@ -601,3 +601,28 @@ def test_target_devices_flags_are_checked(tmp_path, capsys, argv, message) -> No
     args = build_parser().parse_args(["plan", str(tmp_path), *argv])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_point_whose_repeats_spread_is_measured_again_then_marked() -> None:
+    from vllm_afd.cli.plan_fit import SPREAD_LIMIT, measure_point
+
+    def steps(*values: float):
+        return lambda k: Point(64, 4, values[k])
+
+    steady = measure_point(steps(0.010, 0.011, 0.0105), 3)
+    assert steady.samples == 3 and steady.tpot_s == pytest.approx(0.0105)
+    assert steady.spread == pytest.approx(0.001 / 0.0105)
+    # a stall in one of two repeats: two more, the median of four
+    calmed = measure_point(steps(0.010, 0.030, 0.011, 0.010), 2)
+    assert calmed.samples == 4 and calmed.tpot_s == pytest.approx(0.0105)
+    assert calmed.spread > SPREAD_LIMIT  # still wide: marked in the table
+    single = measure_point(steps(0.010), 1)
+    assert single.samples == 1 and single.spread == 0.0
+    prof = _profile("cpu")
+    afd = [dict(context=128, batch=4, spread=calmed.spread, samples=4)]
+    plain = [dict(context=128, batch=4, spread=0.05, samples=2)]
+    text = plan_format.format_profile(prof, afd, plain)
+    assert f"{calmed.spread:.0%}*" in text and " 5%" in text
+    assert "spread" not in plan_format.format_profile(
+        prof, [dict(context=128, batch=4)]
+    )

@@ -512,7 +512,7 @@ def run_plan(args: argparse.Namespace) -> int:
                          _slo(args), args.max_ubatches)  # fmt: skip
         unit = prof.unit
         print(f"routing: {routing or 'the model router'}")
-        print(format_profile(prof, points["afd"]))
+        print(format_profile(prof, points["afd"], points.get("plain")))
         print(format_plan(plan, unit), flush=True)
         scaled = None
         if args.target_devices:

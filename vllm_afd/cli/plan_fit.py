@@ -35,16 +35,47 @@ class Point:
     wait_s: float = 0.0  # attention wait per step (AFD)
     ffn_s: float = 0.0  # FFN compute per step (AFD)
     ffn_tokens: float = 0.0  # FFN tokens per step (AFD; ~ batch)
+    #: the step's spread over the repeated measurements: (max - min) / median
+    spread: float = 0.0
+    #: how many measurements the medians are of
+    samples: int = 1
+
+
+#: a point whose step spreads more than this over its repeats is measured
+#: again (once, as many times more), then marked when it still does
+SPREAD_LIMIT = 0.25
 
 
 def median_point(points: Sequence[Point]) -> Point:
-    """Each figure's median over repeated measurements of one point."""
+    """Each figure's median over repeated measurements of one point, and the
+    step's spread over them."""
     first = points[0]
+    steps = [p.tpot_s for p in points]
+    middle = statistics.median(steps)
+    medians = {
+        f: statistics.median(getattr(p, f) for p in points)
+        for f in ("tpot_s", "wait_s", "ffn_s", "ffn_tokens")
+    }
     return Point(
-        first.context, first.batch,
-        *(statistics.median(getattr(p, f) for p in points)
-          for f in ("tpot_s", "wait_s", "ffn_s", "ffn_tokens")),
-    )  # fmt: skip
+        context=first.context,
+        batch=first.batch,
+        **medians,
+        spread=(max(steps) - min(steps)) / middle if middle > 0 else 0.0,
+        samples=len(points),
+    )
+
+
+def measure_point(measure: Callable[[int], Point], repeats: int) -> Point:
+    """``measure(k)`` for k in ``0..repeats-1``, their :func:`median_point`;
+    with 2 or more repeats whose step spreads more than ``SPREAD_LIMIT``,
+    ``repeats`` more measurements (k from ``repeats`` on) join them once. The
+    result's ``spread`` says whether it still does."""
+    points = [measure(k) for k in range(repeats)]
+    point = median_point(points)
+    if repeats >= 2 and point.spread > SPREAD_LIMIT:
+        points += [measure(k) for k in range(repeats, 2 * repeats)]
+        point = median_point(points)
+    return point
 
 
 def _by_context(points: Sequence[Point]) -> dict[int, Curve]:

@@ -5,18 +5,33 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from vllm_afd.cli.plan_fit import SPREAD_LIMIT
 from vllm_afd.cli.plan_model import Link, Plan, Profile
 
 
-def format_profile(prof: Profile, afd: list[dict]) -> str:
+def _spread(point: dict | None) -> str:
+    """A point's step spread over its repeats, ``*`` when still wide."""
+    if point is None or point.get("samples", 1) < 2:
+        return "-"
+    mark = "*" if point["spread"] > SPREAD_LIMIT else ""
+    return f"{point['spread']:.0%}{mark}"
+
+
+def format_profile(
+    prof: Profile, afd: list[dict], plain_points: list[dict] | None = None
+) -> str:
     layers = prof.remote_layers or 1
+    every = [*afd, *(plain_points or [])]
+    repeated = any(p.get("samples", 1) > 1 for p in every)
+    plain_at = {(p["context"], p["batch"]): p for p in plain_points or []}
     lines = [
         f"measured parts per decode step ({prof.remote_layers} remote layers; "
         "per layer = / layers)",
         f"{'context':>8} {'batch':>6} {'T_a ms':>8} {'T_f ms':>8} {'T_c ms':>8} "
         f"{'T_f/layer us':>13} {'plain ms':>9}"
         + "".join(f" {f'S{k} ms':>7}" for k in sorted(prof.sharing))
-        + (f" {'U ms':>7}" if prof.ubatching else ""),
+        + (f" {'U ms':>7}" if prof.ubatching else "")
+        + (f" {'spread':>7} {'plain':>6}" if repeated else ""),
     ]
     for p in afd:
         c, b = p["context"], p["batch"]
@@ -31,6 +46,17 @@ def format_profile(prof: Profile, afd: list[dict]) -> str:
             f"{plain(b) * 1e3 if plain else float('nan'):>9.2f}"
             + "".join(f" {s(b) * 1e3 if s else float('nan'):>7.2f}" for s in shares)
             + (f" {ub(b) * 1e3:>7.2f}" if ub else "")
+            + (
+                f" {_spread(p):>7} {_spread(plain_at.get((c, b))):>6}"
+                if repeated
+                else ""
+            )
+        )
+    if repeated:
+        lines.append(
+            "spread: (max - min) / median of a step over the repeats (AFD, "
+            f"plain vLLM); above {SPREAD_LIMIT:.0%} a point is measured again "
+            "as many times, * marks one still that wide"
         )
     if prof.sharing:
         lines.append(

@@ -37,7 +37,12 @@ from vllm_afd.cli.bench_workload import (
     model_info,
     run_requests,
 )
-from vllm_afd.cli.plan_fit import Point, build_profile, median_point
+from vllm_afd.cli.plan_fit import (
+    SPREAD_LIMIT,
+    Point,
+    build_profile,
+    measure_point,
+)
 from vllm_afd.cli.plan_model import Profile
 from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
 
@@ -336,9 +341,18 @@ def profile(
                 f"[{next(counter)}/{len(grid) * len(phases)}] {name} context {c} "
                 f"batch {b}"
             )
-            out.append(
-                median_point([measure(c, b, seed + 10 * k) for k in range(repeats)])
-            )
+
+            def once(k: int, c: int = c, b: int = b) -> Point:
+                return measure(c, b, seed + 10 * k)
+
+            point = measure_point(once, repeats)
+            if point.samples > repeats:
+                say(
+                    f"{name} context {c} batch {b}: the step spread "
+                    f"{point.spread:.0%} over {point.samples} measurements"
+                    + (" (still wide: marked)" if point.spread > SPREAD_LIMIT else "")
+                )
+            out.append(point)
         return out  # fmt: skip
 
     say("starting AFD 1A1F to measure both roles ...")
