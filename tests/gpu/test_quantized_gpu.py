@@ -9,7 +9,7 @@ the same quantization on the same GPU, 16 prompts token for token.
   per-tensor scheme (``fp8``): its activation scale is the maximum over all
   rows of a step, so plain vLLM's own output for a request depends on which
   requests shared its steps (on one H100 AFD and plain vLLM then agreed on
-  0 of 16 requests, each diverging after 7-26 tokens by a logit's last bits).
+  0 of 16 requests, those inspected diverging after 7-26 tokens).
 * MXFP4: a gpt-oss checkpoint whose experts are stored in MXFP4 as the
   release ships them (``tiny-model --mxfp4-experts``). vLLM's MXFP4 kernels
   on Hopper route inside themselves, so the gate runs on the FFN role (with
