@@ -518,7 +518,7 @@ def test_a_prediction_beyond_what_the_shared_device_allows_is_never_picked() -> 
     first GPU profile recommended such a deployment at 2.68x plain)."""
     slow_plain = {128: Curve(((1, 3.12e-3), (64, 60e-3)))}
     prof = _profile("cuda-shared", colocated=slow_plain)
-    p = plan_model.bounded(prof, predict(prof, Candidate(1, 1), 128, 64), "tok/s/GPU")
+    p = plan_model.bounded(prof, predict(prof, Candidate(1, 1), 128, 64))
     assert not p.fits and p.over_bound == p.why_not
     assert "breaks the device bound" in p.over_bound
     assert "plain vLLM at batch 64 on this device, 0% measured overlap" in p.over_bound

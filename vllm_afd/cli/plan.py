@@ -55,7 +55,7 @@ from vllm_afd.cli.plan_profile import (
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError
 from vllm_afd.deploy.logs import new_log_dir
-from vllm_afd.deploy.spec import tensor_parallel_size
+from vllm_afd.deploy.spec import tensor_parallel_size, vllm_arg
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import Topology
 
@@ -66,8 +66,6 @@ CACHE_VERSION = 3
 #: and a bandwidth below NVLink's per direction
 LINK_LATENCY_US = 5.0
 LINK_GB_S = 100.0
-#: bytes of the activation dtypes vLLM's --dtype names
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 #: vLLM's own routing simulation (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``):
 #: every router picks top-k experts uniformly at random, so the experts are
 #: loaded evenly whatever the weights and prompts
@@ -377,10 +375,10 @@ def model_link(args: argparse.Namespace) -> Link:
     config = json.loads((Path(args.model) / "config.json").read_text())
     config = config.get("text_config", config)
     hidden = int(config["hidden_size"])
-    dtype = _vllm_arg(args.vllm_args, "--dtype") or "auto"
+    dtype = vllm_arg(args.vllm_args, "--dtype") or "auto"
     if dtype == "auto":
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    act = _DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
+    act = bench_report.DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
     shared = any(
         config.get(k) for k in ("n_shared_experts", "shared_expert_intermediate_size")
     )
@@ -388,16 +386,6 @@ def model_link(args: argparse.Namespace) -> Link:
     if args.gate_on_attention:
         per_token += 8 * int(config.get("num_experts_per_tok") or 0)
     return Link(args.link_latency_us * 1e-6, args.link_gb_s * 1e9, per_token)
-
-
-def _vllm_arg(argv: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``."""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _slo(args: argparse.Namespace) -> float | None:

@@ -440,7 +440,7 @@ def device_limit(
     return total / plain_step / (1 - overlap) * (1 + BOUND_SLACK), overlap
 
 
-def bounded(profile: Profile, p: Prediction, unit: str) -> Prediction:
+def bounded(profile: Profile, p: Prediction) -> Prediction:
     """``p``, marked when it breaks the device bound (and then unfit)."""
     if p.candidate is None:
         return p
@@ -449,7 +449,7 @@ def bounded(profile: Profile, p: Prediction, unit: str) -> Prediction:
         return p
     total = p.candidate.attention_ranks * p.batch
     why = (
-        f"breaks the device bound: {p.tokens_per_s_per_device:.1f} {unit} "
+        f"breaks the device bound: {p.tokens_per_s_per_device:.1f} {profile.unit} "
         f"predicted, at most {limit[0]:.1f} possible (plain vLLM at batch "
         f"{total} on this device, {limit[1]:.0%} measured overlap, "
         f"{BOUND_SLACK:.0%} slack)"
@@ -530,7 +530,7 @@ def best_batch(
         if cand is None:
             p = predict_colocated(profile, context, b, tp)
         else:
-            p = bounded(profile, predict(profile, cand, context, b), profile.unit)
+            p = bounded(profile, predict(profile, cand, context, b))
         if p.fits:
             p = _fits(p, kv, context, profile.decode_tokens, slo_s)
         tried.append(p)

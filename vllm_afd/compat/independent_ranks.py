@@ -81,7 +81,7 @@ def _with_experts_counted(original: Any) -> Any:
         model_config = get_current_vllm_config().model_config
         arch: Any = getattr(model_config, "model_arch_config", None)
         hidden = getattr(arch, HIDDEN, None)
-        if arch is None or hidden is None:
+        if hidden is None:
             return original(*args, **kwargs)
         arch.num_experts = hidden
         try:

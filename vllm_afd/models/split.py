@@ -362,10 +362,13 @@ class RoleSplitMixin(nn.Module):
             None,
         )
 
-        def owner(name: str) -> Any:
+        def vllm_name(name: str) -> str:
             mapped = mapper._map_name(name) if mapper is not None else name
+            return mapped or name
+
+        def owner(name: str) -> Any:
             return weight_owner(
-                mapped or name, split.prefixes, compute_gate_on_attention=gate_on_attn
+                vllm_name(name), split.prefixes, compute_gate_on_attention=gate_on_attn
             )
 
         sliced = self._afd_take_expert_slice()
@@ -376,11 +379,9 @@ class RoleSplitMixin(nn.Module):
         if sliced and family is not None and family.whole_expert_tensors:
             assert self.afd_ffn is not None
 
-            def holds_every_expert(name: str) -> bool:
-                mapped = mapper._map_name(name) if mapper is not None else name
-                return under_any(mapped or name, split.prefixes.routed_experts)
-
-            mine = self.afd_ffn.own_expert_rows(mine, holds_every_expert)
+            mine = self.afd_ffn.own_expert_rows(
+                mine, lambda n: under_any(vllm_name(n), split.prefixes.routed_experts)
+            )
         loaded = super().load_weights(mine)
         if sliced:
             assert self.afd_ffn is not None
