@@ -2,22 +2,21 @@
 (cuda_ipc under MPS), the gate on the attention role, FULL CUDA graphs for
 decode, token-for-token against plain vLLM on the same GPU (16 prompts, top-5
 logprobs within bf16's resolution). Llama 4 (the routing weight scales the
-expert input), Granite-MoE-Shared (a shared MLP beside the MoE block) and
+expert input), Granite-MoE-Shared (a shared MLP beside the MoE block),
 Qwen3-Next (gated delta-net linear attention, its state on the attention
-role; skipped where vLLM's CUDA kernels of it cannot load: flashinfer's
-gated delta-net prefill imports the CUTLASS DSL package, ``cutlass``),
-EXAONE-MoE, Cohere2-MoE, Gemma 4 and MiMo-V2-Flash; on CPU they are checked
-in tests/e2e/test_families.py. MiniMax-M2, which plain vLLM serves on GPUs
-only (its CPU router takes no sigmoid scores with a bias), is checked here
-in its other placements too: the gate on the FFN role, and 2A1F (both
-attention ranks on GPU 0: each computes on its own requests only, plain vLLM
-on all). Families whose plain output depends on how requests fall into steps
-run with vLLM's batch-invariant kernels on every server (``BATCH_VARIANT``).
+role), EXAONE-MoE, Cohere2-MoE, Gemma 4 and MiMo-V2-Flash; on CPU they are
+checked in tests/e2e/test_families.py. Three families plain vLLM serves on
+GPUs only are checked here alone: MiniMax-M2 and Step-3.5 (plain vLLM's CPU
+router takes no sigmoid scores with a bias) and Qwen3.5-MoE (vLLM's module
+imports its vision model, which needs torchvision). MiniMax-M2 runs in its
+other placements too: the gate on the FFN role, and 2A1F (both attention
+ranks on GPU 0: each computes on its own requests only, plain vLLM on all).
+Families whose plain output depends on how requests fall into steps run with
+vLLM's batch-invariant kernels on every server (``BATCH_VARIANT``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -44,16 +43,24 @@ FAMILIES = (
     "gemma4",
     "mimo_v2",
     "minimax_m2",
+    "qwen3_5_moe",
+    "step3p5",
 )
-#: what a family needs beyond vLLM's own wheel on a GPU host
-NEEDS = {"qwen3_next": "cutlass"}
+#: vLLM arguments a family needs on a GPU, on AFD and plain alike: the gated
+#: delta-net families take vLLM's Triton prefill kernel, since flashinfer's
+#: (the default on Hopper) imports the CUTLASS DSL package, which vLLM's
+#: wheel does not bring
+EXTRA_ARGS = {
+    "qwen3_next": ["--gdn-prefill-backend", "triton"],
+    "qwen3_5_moe": ["--gdn-prefill-backend", "triton"],
+}
 #: families whose plain vLLM output depends on how requests fall into steps:
 #: their router's float32 gate GEMM (vLLM's ``GateLinear``) picks its kernel by
 #: the step's row count, and sigmoid scores with a bias turn the last bit into
 #: another expert. The same settings gave MiniMax-M2 15/16 and 16/16 identical
 #: in two runs on one H200, and EXAONE-MoE 14/16 on one H100. Every server of
 #: such a family runs vLLM's batch-invariant kernels.
-BATCH_VARIANT = {"exaone_moe", "minimax_m2"}
+BATCH_VARIANT = {"exaone_moe", "minimax_m2", "step3p5"}
 BATCH_INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 
 
@@ -74,13 +81,8 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_family_1a1f_on_one_gpu_equals_plain_vllm(
     family_models: dict[str, Path], tmp_path: Path, arch: str, mps: None
 ) -> None:
-    module = NEEDS.get(arch)
-    if module is not None and importlib.util.find_spec(module) is None:
-        pytest.skip(
-            f"{arch}: vLLM's CUDA kernels of it need the {module!r} package "
-            "(flashinfer's gated delta-net prefill imports it)"
-        )
-    spec = gpu_spec(family_models[arch], GRAPHS, gate_on_attention=True, **ONE_GPU)
+    args = GRAPHS + EXTRA_ARGS.get(arch, [])
+    spec = gpu_spec(family_models[arch], args, gate_on_attention=True, **ONE_GPU)
     env = BATCH_INVARIANT if arch in BATCH_VARIANT else None
     afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path, env)
     same = sum(

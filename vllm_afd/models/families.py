@@ -223,6 +223,17 @@ FAMILIES: tuple[Family, ...] = (
         attention=("Qwen3NextAttention", "QwenGatedDeltaNetAttention"),
     ),
     Family(
+        # Qwen3.5-MoE (text): Qwen3-Next's MoE block and attention classes in
+        # a decoder of its own; plain vLLM serves it on GPUs only
+        name="qwen3_5_moe",
+        module="qwen3_5",
+        archs=("Qwen3_5MoeForCausalLM",),
+        dense_mlp=None,
+        attention=("Qwen3NextAttention", "QwenGatedDeltaNetAttention"),
+        # the MoE block (its shared expert) is built in Qwen3-Next's module
+        moe_modules=(("qwen3_next", "Qwen3NextMLP"),),
+    ),
+    Family(
         # a first dense layer and a shared expert (one MLP class), sigmoid
         # grouped top-k with a correction bias the MoE block holds itself
         name="exaone_moe",
@@ -264,6 +275,18 @@ FAMILIES: tuple[Family, ...] = (
         archs=("MiMoV2FlashForCausalLM",),
         dense_mlp="MiMoV2MLP",
         attention=("MiMoV2Attention",),
+    ),
+    Family(
+        # Step-3.5: sigmoid scores with a bias the MoE block holds itself
+        # (``router_bias``, loaded where the router runs), a shared expert
+        # beside the routed ones, a per-head attention gate; plain vLLM
+        # serves it on GPUs only
+        name="step3p5",
+        module="step3p5",
+        archs=("Step3p5ForCausalLM",),
+        dense_mlp="Step3p5MLP",
+        attention=("Step3p5Attention",),
+        gate_parts=("router_bias",),
     ),
 )
 

@@ -24,13 +24,6 @@ TRIED: dict[str, str] = {
         "plain vLLM's load of a transformers-written checkpoint fails "
         "(`too many values to unpack`); no record yet"
     ),
-    "Qwen3_5MoeForCausalLM": (
-        "vLLM's `qwen3_5` module imports its vision model, whose image "
-        "processor needs torchvision, which the CPU install lacks (the CUDA "
-        "builds pip brings break CPU torch): plain vLLM cannot load it on "
-        "CPU; its MoE block and attention classes are Qwen3-Next's, which is "
-        "served; no record until it is tried on a GPU host"
-    ),
     "JambaForCausalLM": (
         "plain vLLM cannot serve it on CPU: its Mamba layers call a "
         "selective-scan kernel (`selective_scan_fwd`) the CPU build lacks; "
@@ -73,6 +66,19 @@ GPU_ONLY: dict[str, str] = {
     "MiniMaxM2ForCausalLM": (
         "on GPUs: plain vLLM's CPU router takes no sigmoid scores with a bias, "
         "so it is checked against plain vLLM on one GPU "
+        "(`tests/gpu/test_families_gpu.py`)"
+    ),
+    "Qwen3_5MoeForCausalLM": (
+        "on GPUs: vLLM's `qwen3_5` module imports its vision model, whose "
+        "image processor needs torchvision, which the CPU install lacks (the "
+        "CUDA builds pip brings break CPU torch), so it is checked against "
+        "plain vLLM on one GPU (`tests/gpu/test_families_gpu.py`)"
+    ),
+    "Step3p5ForCausalLM": (
+        "on GPUs: plain vLLM loads it on CPU and fails at its first step: its "
+        "CPU router takes softmax scores only without grouped top-k "
+        '(`assert self.scoring_func == "softmax"`), and Step-3.5 scores with '
+        "a sigmoid and a bias; so it is checked against plain vLLM on one GPU "
         "(`tests/gpu/test_families_gpu.py`)"
     ),
 }

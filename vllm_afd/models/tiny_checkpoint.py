@@ -29,9 +29,12 @@ from typing import Any
 import torch
 
 from vllm_afd.models.tiny_hf import HF_ARCHS, hf_config, write_hf_weights
+from vllm_afd.models.tiny_step3p5 import step3p5_config, step3p5_weight_specs
 
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
-TINY_ARCHS = (*DEEPSEEK_ARCHS, *HF_ARCHS)
+#: families with no transformers classes, written tensor by tensor here
+OWN_ARCHS = ("step3p5",)
+TINY_ARCHS = (*DEEPSEEK_ARCHS, *HF_ARCHS, *OWN_ARCHS)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -169,17 +172,29 @@ def write_tiny_checkpoint(
 
             quantize_experts_mxfp4(out)
         return out
-    config = tiny_config(
-        arch,
-        num_layers=num_layers,
-        vocab_size=vocab_size,
-        dtype=dtype,
-        gpu_dims=gpu_dims,
-        hidden_size=hidden_size,
-    )
+    if arch == "step3p5":
+        config = step3p5_config(
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size or _DEFAULT_HIDDEN_SIZE,
+            dtype=dtype,
+            special_ids=_special_ids(),
+            max_positions=_MAX_POSITIONS,
+        )
+        specs = step3p5_weight_specs(config)
+    else:
+        config = tiny_config(
+            arch,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            dtype=dtype,
+            gpu_dims=gpu_dims,
+            hidden_size=hidden_size,
+        )
+        specs = _weight_specs(config)
     _write_json(out / "config.json", config)
     _write_generation_config(out, _special_ids())
-    tensors = _random_weights(config, seed, _DTYPES[dtype])
+    tensors = _random_weights(specs, seed, _DTYPES[dtype])
     _save_safetensors(tensors, out / "model.safetensors")
     return out
 
@@ -310,14 +325,14 @@ def _check_args(
 
 
 def _random_weights(
-    config: dict[str, Any], seed: int, dtype: torch.dtype
+    specs: dict[str, tuple[tuple[int, ...], str]], seed: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors, each drawn from a generator seeded by (seed, name).
+    """The tensors of ``specs`` (name -> shape, init kind), each drawn from a
+    generator seeded by (seed, name).
 
     Seeding per name keeps a tensor's values independent of the other tensors, so
     e.g. a 2-layer and a 4-layer checkpoint share their first layers.
     """
-    specs = _weight_specs(config)
     return {
         name: draw(seed, name, shape, kind).to(dtype)
         for name, (shape, kind) in specs.items()

@@ -262,6 +262,24 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=16,
         ),
     ),
+    # Qwen3.5-MoE (text): Qwen3-Next's MoE block (a shared expert with a
+    # sigmoid gate, router in the runner) at every layer, gated delta-net
+    # linear attention in three of four layers. Plain vLLM serves it on GPUs
+    # only: its module imports the vision model, whose processor needs
+    # torchvision.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=128,
+            head_dim=32,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+    ),
     # LFM2-MoE: short convolutions and attention layers mixed (conv state on
     # the attention side), a dense first layer, sigmoid top-k with an expert
     # bias on the gate.
@@ -287,7 +305,7 @@ _EXPERT_WIDE = (
 
 HF_ARCHS = tuple(_FAMILIES)
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
-GPU_ONLY_ARCHS = ("minimax_m2",)
+GPU_ONLY_ARCHS = ("minimax_m2", "qwen3_5_moe", "step3p5")
 #: families AFD serves with the gate on the attention role only: a record's
 #: ``layer_holds_moe`` (no MoE block class the FFN role could run), and those
 #: whose layers run a dense MLP beside the MoE block (refused by the split)
@@ -336,6 +354,11 @@ def hf_config(
     kwargs.update(moe)
     if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         kwargs["mlp_only_layers"] = [0]
+    if arch == "qwen3_5_moe":
+        kwargs["layer_types"] = [
+            "full_attention" if i % 4 == 3 else "linear_attention"
+            for i in range(num_layers)
+        ]
     if arch == "qwen3_next":
         kwargs["layer_types"] = [
             "linear_attention" if i % 2 == 0 else "full_attention"
@@ -379,7 +402,11 @@ def hf_config(
         ]
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
     config = config_cls(**kwargs)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [
+        type(config)
+        .__name__.replace("TextConfig", "Config")
+        .replace("Config", "ForCausalLM")
+    ]
     if arch == "mimo_v2":
         _mimo_v2_release_keys(config)
     return config
