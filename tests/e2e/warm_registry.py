@@ -43,7 +43,16 @@ def warm(model: _LazyRegisteredModel) -> bool:
     digest = model._get_modelinfo_module_hash(path)
     if model._load_modelinfo_from_cache(digest) is not None:
         return False
-    info = _ModelInfo.from_model_cls(model.load_model_cls())
+    try:
+        cls = model.load_model_cls()
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "vllm":
+            raise
+        # a module this host cannot import (Qwen3.5's needs torchvision):
+        # plain vLLM cannot serve it here either
+        print(f"{model.class_name}: not inspected, needs {e.name!r}")
+        return False
+    info = _ModelInfo.from_model_cls(cls)
     model._save_modelinfo_to_cache(info, digest)
     return True
 

@@ -48,20 +48,24 @@ def test_a_decoder_layer_holding_its_moe_refuses_the_gate_on_the_ffn_role():
 
 
 def test_an_alias_is_split_as_the_architecture_whose_class_vllm_builds():
-    """ExaoneMoE and Granite-MoE-SWA are vLLM's aliases: their role-split
-    classes derive from the very class of the architecture tested end to end
-    (tests/e2e/test_families.py), with the same family record."""
+    """ExaoneMoE and Granite-MoE-SWA are vLLM's aliases, and vLLM builds
+    MiMo-V2 with a subclass of MiMo-V2-Flash's that only names its packed
+    checkpoint modules: their role-split classes derive from the very class
+    of the architecture tested end to end (tests/e2e/test_families.py), or a
+    subclass of it, with the same family record."""
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
     from vllm_afd.models.families import family_of
     from vllm_afd.models.split import role_split_class
 
-    for alias, tested in [
-        ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"),
-        ("GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM"),
+    for alias, tested, same_class in [
+        ("ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM", True),
+        ("GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM", True),
+        ("MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM", False),
     ]:
-        assert _VLLM_MODELS[alias] == _VLLM_MODELS[tested]
+        assert (_VLLM_MODELS[alias] == _VLLM_MODELS[tested]) is same_class
         assert family_of(alias) is family_of(tested)
         (native,) = role_split_class(tested).__mro__[2:3]
-        assert role_split_class(alias).__mro__[2] is native
+        assert issubclass(role_split_class(alias).__mro__[2], native)
+        assert (role_split_class(alias).__mro__[2] is native) is same_class
         assert role_split_class(alias)._afd_arch == alias

@@ -272,7 +272,7 @@ FAMILIES: tuple[Family, ...] = (
         # layer, sigmoid grouped top-k with a bias held by the gate
         name="mimo_v2",
         module="mimo_v2",
-        archs=("MiMoV2FlashForCausalLM",),
+        archs=("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM"),
         dense_mlp="MiMoV2MLP",
         attention=("MiMoV2Attention",),
     ),
