@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,6 +23,7 @@ import torch
 from vllm_afd.connector.async_ep import WorkItem
 from vllm_afd.connector.payloads import A2FBatch
 from vllm_afd.errors import AFDConnectorError
+from vllm_afd.worker.compute_clock import ComputeClock, HostClock
 from vllm_afd.worker.ffn_loop import ComputeFn, FFNLoopStats
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,12 @@ class AsyncFFNLoop:
         compute: ComputeFn,
         *,
         on_exit: Callable[[BaseException | None], None] | None = None,
+        clock: ComputeClock | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.compute = compute
         self.on_exit = on_exit
-        self.stats = FFNLoopStats()
+        self.stats = FFNLoopStats(clock=clock or HostClock())
         self.error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,9 +62,8 @@ class AsyncFFNLoop:
     def serve(self, item: WorkItem) -> None:
         """Compute one work item and reply."""
         with self.stats.in_step:
-            start = time.perf_counter()
-            out = self.compute(item.layer, A2FBatch(item.hidden, item.routing))
-            self.stats.compute_s += time.perf_counter() - start
+            with self.stats.clock.span():
+                out = self.compute(item.layer, A2FBatch(item.hidden, item.routing))
             self.endpoint.reply(item, out)
             self.stats.steps += 1
             self.stats.tokens += item.hidden.shape[0]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,6 +36,7 @@ from vllm_afd.connector.payloads import A2FBatch
 from vllm_afd.connector.plan import MergedPlan
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDConnectorError, AFDPeerStopped
+from vllm_afd.worker.compute_clock import ComputeClock, HostClock
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ class FFNLoopStats:
 
     steps: int = 0
     tokens: int = 0
-    compute_s: float = 0.0
     last_batch_tokens: int = 0
     graph_captures: int = 0
     graph_replays: int = 0
@@ -102,6 +101,13 @@ class FFNLoopStats:
     in_step: threading.Lock = field(
         default_factory=threading.Lock, repr=False, compare=False
     )
+    #: times the layers' compute (device time on CUDA; replayed graphs not)
+    clock: ComputeClock = field(default_factory=HostClock, repr=False, compare=False)
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds of FFN compute finished so far (:attr:`clock`)."""
+        return self.clock.seconds()
 
 
 class FFNLoop:
@@ -116,6 +122,7 @@ class FFNLoop:
         on_exit: Callable[[BaseException | None], None] | None = None,
         on_step: Callable[[Any], None] | None = None,
         graphs: StepGraphs | None = None,
+        clock: ComputeClock | None = None,
     ) -> None:
         self.connector = connector
         self.graphs = graphs
@@ -123,7 +130,7 @@ class FFNLoop:
         self.remote_layers = tuple(remote_layers)
         self.on_exit = on_exit
         self.on_step = on_step
-        self.stats = FFNLoopStats()
+        self.stats = FFNLoopStats(clock=clock or HostClock())
         self.error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,7 +143,6 @@ class FFNLoop:
     def _run_step(self, plan: Any) -> None:
         if self.on_step is not None:
             self.on_step(plan)
-        compute_s = 0.0
         if plan.mode is ExecMode.CAPTURE:
             if self.graphs is None:
                 raise AFDConnectorError(
@@ -153,30 +159,27 @@ class FFNLoop:
             self.connector.account_graph_step()
             self.stats.graph_replays += 1
         else:
-            compute_s = self._serve(plan)
+            self._serve(plan)
         self.stats.steps += 1
         self.stats.ubatched_steps += plan.num_ubatches > 1
         self.stats.tokens += plan.num_tokens
-        self.stats.compute_s += compute_s
         self.stats.last_batch_tokens = plan.num_tokens
 
     def _serve_and_flush(self, plan: Any) -> None:
         self._serve(plan)
         self.connector.flush()
 
-    def _serve(self, plan: Any) -> float:
-        """Every remote layer and ubatch of ``plan``; returns compute seconds."""
-        compute_s = 0.0
+    def _serve(self, plan: Any) -> None:
+        """Every remote layer and ubatch of ``plan``, the compute timed."""
+        clock = self.stats.clock
         for layer_idx in self.remote_layers:
             for ubatch_idx in range(plan.num_ubatches):
                 if plan.ubatch_tokens[ubatch_idx] == 0:
                     continue
                 batch = self.connector.recv_a2f(layer_idx, ubatch_idx)
-                start = time.perf_counter()
-                out = self.compute(layer_idx, batch)
-                compute_s += time.perf_counter() - start
+                with clock.span():
+                    out = self.compute(layer_idx, batch)
                 self.connector.send_f2a(layer_idx, ubatch_idx, out)
-        return compute_s
 
     def run(self) -> None:
         """Loop until the peers shut down, :meth:`stop` is called, or an error."""

@@ -34,6 +34,7 @@ from vllm_afd.errors import (
     AFDTimeoutError,
 )
 from vllm_afd.worker.async_loop import AsyncFFNLoop
+from vllm_afd.worker.compute_clock import clock_for
 from vllm_afd.worker.endpoint import Endpoint, open_endpoint
 from vllm_afd.worker.ffn_loop import FFNConnector, FFNLoop, StepGraphs
 from vllm_afd.worker.metrics import endpoint_publisher
@@ -120,7 +121,10 @@ class FFNSideMixin(AFDRunnerMixin):
         if self.device.type != "cpu":
             compute = self._afd_compute_staged
         loop = self.afd_async_loop = AsyncFFNLoop(
-            work, compute, on_exit=self._afd_async_loop_exited
+            work,
+            compute,
+            on_exit=self._afd_async_loop_exited,
+            clock=clock_for(self.device),
         )
         self.afd_metrics = endpoint_publisher("ffn", endpoint.role_rank, work, loop)
         loop.start()
@@ -183,6 +187,7 @@ class FFNSideMixin(AFDRunnerMixin):
             on_exit=self._afd_loop_exited,
             on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
+            clock=clock_for(self.device),
         )
         if endpoint.connector is not None:
             self.afd_metrics = endpoint_publisher(

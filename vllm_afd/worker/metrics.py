@@ -16,7 +16,8 @@ Metric names (labels ``role``, ``rank``)::
     afd_a2f_bytes_total                  A2F payload bytes
     afd_f2a_bytes_total                  F2A payload bytes
     afd_connector_wait_seconds_total     host time blocked in data-plane waits
-    afd_ffn_compute_seconds_total        FFN compute time (FFN role)
+    afd_ffn_compute_seconds_total        FFN compute time (FFN role; device
+                                         time on CUDA, eager steps only)
     afd_ffn_tokens_total                 tokens computed (FFN role)
     afd_errors_total                     connector errors
     afd_ffn_graph_replays_total          steps replayed from CUDA graphs (FFN role)
