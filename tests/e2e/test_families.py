@@ -75,6 +75,7 @@ LAYOUTS = {
     # a dense MLP beside the experts at every layer, the router in the layer
     "gemma4": ([0, 1, 2], [0, 1, 2]),
     "mimo_v2": ([1, 2], [0]),  # sliding layers with sinks; bias on the gate
+    "hy_v3": ([1, 2], [0]),  # shared expert, score bias held by the block
 }
 
 #: each family's routed experts (``vllm-afd tiny-model``)
@@ -83,12 +84,12 @@ EXPERTS = {
     "deepseek_v2": 8, "deepseek_v3": 16, "glm4_moe_lite": 16, "olmoe": 8,
     "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8, "llama4": 8,
     "granitemoeshared": 8, "qwen3_next": 8, "exaone_moe": 8, "cohere2_moe": 8,
-    "gemma4": 8, "mimo_v2": 8,
+    "gemma4": 8, "mimo_v2": 8, "hy_v3": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-    "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe",
+    "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -130,6 +131,7 @@ CASES = [
     ("cohere2_moe", 1, 1, False, "p2p"),
     ("gemma4", 1, 1, True, "p2p"),
     ("mimo_v2", 1, 1, True, "p2p"),
+    ("hy_v3", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     # expert biases cut with the weights; its loader handed each all-expert
     # tensor's rows of the rank's slice (``Family.whole_expert_tensors``)

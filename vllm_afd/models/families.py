@@ -288,6 +288,16 @@ FAMILIES: tuple[Family, ...] = (
         attention=("Step3p5Attention",),
         gate_parts=("router_bias",),
     ),
+    Family(
+        # HY-V3 (Hunyuan 3): a first dense layer, a shared expert, sigmoid
+        # scores with a bias the MoE block holds itself, routed scaling
+        name="hy_v3",
+        module="hy_v3",
+        archs=("HYV3ForCausalLM",),
+        dense_mlp="HYV3FeedForward",
+        attention=("HYV3Attention",),
+        gate_parts=("expert_bias",),
+    ),
 )
 
 _BY_ARCH = {arch: family for family in FAMILIES for arch in family.archs}

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from vllm_afd.models.tiny_hf import HF_ARCHS, hf_config, write_hf_weights
-from vllm_afd.models.tiny_step3p5 import step3p5_config, step3p5_weight_specs
+from vllm_afd.models.tiny_own import OWN_WRITERS
 
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
-#: families with no transformers classes, written tensor by tensor here
-OWN_ARCHS = ("step3p5",)
+#: families written tensor by tensor in vLLM's names (``tiny_own``)
+OWN_ARCHS = tuple(OWN_WRITERS)
 TINY_ARCHS = (*DEEPSEEK_ARCHS, *HF_ARCHS, *OWN_ARCHS)
 
 _DTYPES = {
@@ -172,8 +172,9 @@ def write_tiny_checkpoint(
 
             quantize_experts_mxfp4(out)
         return out
-    if arch == "step3p5":
-        config = step3p5_config(
+    if arch in OWN_WRITERS:
+        write_config, weight_specs = OWN_WRITERS[arch]
+        config = write_config(
             num_layers=num_layers,
             vocab_size=vocab_size,
             hidden_size=hidden_size or _DEFAULT_HIDDEN_SIZE,
@@ -181,7 +182,7 @@ def write_tiny_checkpoint(
             special_ids=_special_ids(),
             max_positions=_MAX_POSITIONS,
         )
-        specs = step3p5_weight_specs(config)
+        specs = weight_specs(config)
     else:
         config = tiny_config(
             arch,

@@ -1,8 +1,10 @@
-"""A tiny random-weight Step-3.5 checkpoint, written tensor by tensor.
+"""Tiny random-weight checkpoints written tensor by tensor, in the names
+vLLM loads: families transformers has no classes for (Step-3.5), or whose
+transformers layout vLLM's module does not load (HY-V3).
 
-transformers has no Step-3.5 classes: the config class is vLLM's own
-(``model_type: step3p5``) and the weights follow the names vLLM's
-``Step3p5ForCausalLM`` loads, in the release's packed expert layout::
+**Step-3.5.** The config class is vLLM's own (``model_type: step3p5``) and
+the weights follow the names vLLM's ``Step3p5ForCausalLM`` loads, in the
+release's packed expert layout::
 
     model.layers.N.moe.gate.weight           [E, H]      router (float32 GEMM)
     model.layers.N.moe.router_bias           [E]         score bias, held by the block
@@ -16,6 +18,18 @@ shared expert beside the routed ones, q/k norms, a per-head sigmoid gate on
 the attention output (``g_proj``), and sliding-window layers with their own
 head count (``attention_other_setting``) alternating with full ones. The
 SwiGLU clamp (``swiglu_limits``) is left out.
+
+**HY-V3** (Hunyuan 3). transformers' ``HYV3Config`` writes the layout, plus
+the keys vLLM's module reads that it does not write (``expert_hidden_dim``,
+``route_norm``, ``first_k_dense_replace``, ``qk_norm``); the weights are in
+the release's names, one tensor per expert (transformers' own model packs
+the experts and renames the shared expert and the score bias, which vLLM's
+loader does not map)::
+
+    model.layers.N.mlp.gate.weight                  [E, H]  router (float32)
+    model.layers.N.mlp.expert_bias                  [E]     score bias
+    model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+    model.layers.N.mlp.shared_mlp.{gate,up,down}_proj.weight
 
 Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 """
@@ -126,6 +140,93 @@ def step3p5_weight_specs(
         specs[f"{m}.down_proj.weight"] = ((experts, h, inter), "linear")
         specs.update(_mlp(f"{m}.share_expert", h, config["share_expert_dim"]))
     return specs
+
+
+def hy_v3_config(
+    *,
+    num_layers: int,
+    vocab_size: int,
+    hidden_size: int,
+    dtype: str,
+    special_ids: dict[str, int],
+    max_positions: int,
+) -> dict[str, Any]:
+    """The ``config.json`` of a tiny HY-V3 model (layer 0 dense)."""
+    import transformers
+
+    config = transformers.HYV3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=_HEADS,
+        num_key_value_heads=_KV_HEADS,
+        head_dim=_HEAD_DIM,
+        num_experts=_EXPERTS,
+        num_experts_per_tok=_TOP_K,
+        num_shared_experts=1,
+        router_scaling_factor=2.0,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        mlp_layer_types=["dense"] + ["sparse"] * (num_layers - 1),
+        tie_word_embeddings=False,
+        dtype=dtype,
+        **special_ids,
+    ).to_dict()
+    config.update(
+        architectures=["HYV3ForCausalLM"],
+        expert_hidden_dim=hidden_size // 2,
+        route_norm=True,
+        first_k_dense_replace=1,
+        qk_norm=True,
+    )
+    return config
+
+
+def hy_v3_weight_specs(
+    config: dict[str, Any],
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
+    h, vocab, head_dim = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    q = config["num_attention_heads"] * head_dim
+    kv = config["num_key_value_heads"] * head_dim
+    experts, inter = config["num_experts"], config["expert_hidden_dim"]
+    specs: dict[str, tuple[tuple[int, ...], str]] = {
+        "model.embed_tokens.weight": ((vocab, h), "embed"),
+        "model.norm.weight": ((h,), "norm"),
+        "lm_head.weight": ((vocab, h), "lm_head"),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        specs[f"{a}.q_proj.weight"] = ((q, h), "linear")
+        specs[f"{a}.k_proj.weight"] = ((kv, h), "linear")
+        specs[f"{a}.v_proj.weight"] = ((kv, h), "linear")
+        specs[f"{a}.o_proj.weight"] = ((h, q), "linear")
+        specs[f"{a}.q_norm.weight"] = ((head_dim,), "norm")
+        specs[f"{a}.k_norm.weight"] = ((head_dim,), "norm")
+        specs[f"{p}.input_layernorm.weight"] = ((h,), "norm")
+        specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
+        m = f"{p}.mlp"
+        if i < config["first_k_dense_replace"]:
+            specs.update(_mlp(m, h, config["intermediate_size"]))
+            continue
+        specs[f"{m}.gate.weight"] = ((experts, h), "router")
+        specs[f"{m}.expert_bias"] = ((experts,), "bias")
+        for e in range(experts):
+            specs.update(_mlp(f"{m}.experts.{e}", h, inter))
+        shared = inter * config["num_shared_experts"]
+        specs.update(_mlp(f"{m}.shared_mlp", h, shared))
+    return specs
+
+
+#: family -> (config writer, weight specs) of the checkpoints written here
+OWN_WRITERS = {
+    "step3p5": (step3p5_config, step3p5_weight_specs),
+    "hy_v3": (hy_v3_config, hy_v3_weight_specs),
+}
 
 
 def _mlp(
