@@ -7,8 +7,10 @@ Qwen3-Next (gated delta-net linear attention, its state on the attention
 role), EXAONE-MoE, Cohere2-MoE, Gemma 4 and MiMo-V2-Flash; on CPU they are
 checked in tests/e2e/test_families.py. Three families plain vLLM serves on
 GPUs only are checked here alone: MiniMax-M2 and Step-3.5 (plain vLLM's CPU
-router takes no sigmoid scores with a bias) and Qwen3.5-MoE (vLLM's module
-imports its vision model, which needs torchvision). MiniMax-M2 runs in its
+router takes no sigmoid scores with a bias), Qwen3.5-MoE (vLLM's module
+imports its vision model, which needs torchvision) and Granite 4
+(Granite-MoE-Hybrid: plain vLLM's CPU Mamba2 layer fails on all but short
+prompts). MiniMax-M2 runs in its
 other placements too: the gate on the FFN role, and 2A1F (both attention
 ranks on GPU 0: each computes on its own requests only, plain vLLM on all).
 Families whose plain output depends on how requests fall into steps run with
@@ -45,6 +47,7 @@ FAMILIES = (
     "minimax_m2",
     "qwen3_5_moe",
     "step3p5",
+    "granitemoehybrid",
 )
 #: vLLM arguments a family needs on a GPU, on AFD and plain alike: the gated
 #: delta-net families take vLLM's Triton prefill kernel, since flashinfer's

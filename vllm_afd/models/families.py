@@ -30,6 +30,10 @@ form the split can read:
   parameters, past vLLM's expert-id map (gpt-oss). An ``async`` FFN rank,
   which holds only its slice of the experts, then hands the loader the rows
   of its own experts.
+* ``checkpoint_renames``: (checkpoint, vLLM) name parts that the family's
+  loader maps itself, in its own code rather than a vLLM ``WeightsMapper``
+  (Granite 4's router is ``router.layer`` in checkpoints, ``gate`` in vLLM):
+  ownership is decided on the vLLM name.
 * ``moe_modules``: other vLLM modules that build part of the family's model
   (a family reusing another's MoE block, or another family's model class),
   each with its dense-MLP class there; the FFN role builds no embedding,
@@ -71,6 +75,7 @@ class Family:
         layer_holds_moe: the decoder layer holds router and experts itself.
         block_tail: the MoE block changes its MoE layer's output.
         whole_expert_tensors: the loader copies all-expert tensors whole.
+        checkpoint_renames: name parts the family's loader maps itself.
     """
 
     name: str
@@ -84,6 +89,7 @@ class Family:
     layer_holds_moe: bool = False
     block_tail: bool = False
     whole_expert_tensors: bool = False
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def module_path(self) -> str:
@@ -212,6 +218,22 @@ FAMILIES: tuple[Family, ...] = (
         dense_mlp="GraniteMoeSharedMLP",
         attention=("GraniteMoeAttention",),
         moe_modules=(("granitemoe", None),),
+    ),
+    Family(
+        # Granite 4: Mamba2 and attention layers (Mamba state on attention),
+        # Granite-MoE's block with a shared MLP beside it in every layer
+        name="granitemoehybrid",
+        module="granitemoehybrid",
+        archs=("GraniteMoeHybridForCausalLM",),
+        dense_mlp="GraniteMoeSharedMLP",
+        attention=("GraniteMoeHybridAttention", "MambaMixer2"),
+        moe_modules=(("granitemoe", None),),
+        # its loader maps these itself (no WeightsMapper)
+        checkpoint_renames=(
+            (".block_sparse_moe.router.layer.", ".block_sparse_moe.gate."),
+            (".block_sparse_moe.input_linear.", ".block_sparse_moe.experts."),
+            (".block_sparse_moe.output_linear.", ".block_sparse_moe.experts."),
+        ),
     ),
     Family(
         # hybrid: gated delta-net linear attention (its state on attention)

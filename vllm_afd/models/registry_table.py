@@ -74,6 +74,12 @@ GPU_ONLY: dict[str, str] = {
         "CUDA builds pip brings break CPU torch), so it is checked against "
         "plain vLLM on one GPU (`tests/gpu/test_families_gpu.py`)"
     ),
+    "GraniteMoeHybridForCausalLM": (
+        "on GPUs: plain vLLM answers a short prompt on CPU but fails on "
+        "longer ones, one sequence per step too (`IndexError` in "
+        "`MambaMixer2.conv_ssm_forward`, its CPU Mamba2 path), so it is "
+        "checked against plain vLLM on one GPU (`tests/gpu/test_families_gpu.py`)"
+    ),
     "Step3p5ForCausalLM": (
         "on GPUs: plain vLLM loads it on CPU and fails at its first step: its "
         "CPU router takes softmax scores only without grouped top-k "

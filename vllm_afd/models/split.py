@@ -362,9 +362,14 @@ class RoleSplitMixin(nn.Module):
             None,
         )
 
+        family = family_of(self._afd_arch)
+        renames = family.checkpoint_renames if family is not None else ()
+
         def vllm_name(name: str) -> str:
-            mapped = mapper._map_name(name) if mapper is not None else name
-            return mapped or name
+            mapped = (mapper._map_name(name) if mapper is not None else name) or name
+            for checkpoint, vllm in renames:
+                mapped = mapped.replace(checkpoint, vllm)
+            return mapped
 
         def owner(name: str) -> Any:
             return weight_owner(
@@ -375,7 +380,6 @@ class RoleSplitMixin(nn.Module):
         mine: Iterable[tuple[str, torch.Tensor]] = (
             (n, t) for n, t in weights if owner(n) is role
         )
-        family = family_of(self._afd_arch)
         if sliced and family is not None and family.whole_expert_tensors:
             assert self.afd_ffn is not None
 

@@ -280,6 +280,28 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             linear_num_value_heads=4,
         ),
     ),
+    # Granite 4 (Granite-MoE-Hybrid): Mamba2 layers and attention layers
+    # mixed (the Mamba state on the attention role), Granite-MoE's block
+    # with a shared MLP beside it in every layer. Plain vLLM serves it on GPUs
+    # only: on CPU its Mamba2 layer fails on all but short prompts.
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=128,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_expand=2,
+            position_embedding_type="rope",
+        ),
+    ),
     # LFM2-MoE: short convolutions and attention layers mixed (conv state on
     # the attention side), a dense first layer, sigmoid top-k with an expert
     # bias on the gate.
@@ -300,18 +322,19 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 #: layers): it is the tiny models' expert width
 _EXPERT_WIDE = (
     "mixtral", "olmoe", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss",
-    "cohere2_moe",
+    "cohere2_moe", "granitemoehybrid",
 )  # fmt: skip
 
 HF_ARCHS = tuple(_FAMILIES)
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
-GPU_ONLY_ARCHS = ("minimax_m2", "qwen3_5_moe", "step3p5")
+GPU_ONLY_ARCHS = ("minimax_m2", "qwen3_5_moe", "step3p5", "granitemoehybrid")
 #: families AFD serves with the gate on the attention role only: a record's
 #: ``layer_holds_moe`` (no MoE block class the FFN role could run), and those
 #: whose layers run a dense MLP beside the MoE block (refused by the split)
 GATE_ON_ATTENTION_ARCHS = (
     *(f.name for f in FAMILIES if f.layer_holds_moe),
     "granitemoeshared",
+    "granitemoehybrid",
 )
 #: families plain vLLM serves on CPU in another dtype than fp32 only: its CPU
 #: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN
@@ -354,6 +377,10 @@ def hf_config(
     kwargs.update(moe)
     if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         kwargs["mlp_only_layers"] = [0]
+    if arch == "granitemoehybrid":
+        kwargs["layer_types"] = [
+            "attention" if i % 2 else "mamba" for i in range(num_layers)
+        ]
     if arch == "qwen3_5_moe":
         kwargs["layer_types"] = [
             "full_attention" if i % 4 == 3 else "linear_attention"
