@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vllm_afd.models.tiny_hf import HF_ARCHS, hf_config, write_hf_weights
-from vllm_afd.models.tiny_own import OWN_WRITERS
+from vllm_afd.models.tiny_own import OWN_WRITERS, mlp_specs
 
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
 #: families written tensor by tensor in vLLM's names (``tiny_own``)
@@ -155,16 +155,16 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
 
     vocab_size = _write_tokenizer(out)
+    shape: dict[str, Any] = dict(
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size or _DEFAULT_HIDDEN_SIZE,
+        dtype=dtype,
+        special_ids=_special_ids(),
+        max_positions=_MAX_POSITIONS,
+    )
     if arch in HF_ARCHS:
-        config_obj = hf_config(
-            arch,
-            num_layers=num_layers,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size or _DEFAULT_HIDDEN_SIZE,
-            dtype=dtype,
-            special_ids=_special_ids(),
-            max_positions=_MAX_POSITIONS,
-        )
+        config_obj = hf_config(arch, **shape)
         write_hf_weights(config_obj, out, draw, seed, _DTYPES[dtype])
         _write_generation_config(out, _special_ids())
         if mxfp4_experts:
@@ -174,14 +174,7 @@ def write_tiny_checkpoint(
         return out
     if arch in OWN_WRITERS:
         write_config, weight_specs = OWN_WRITERS[arch]
-        config = write_config(
-            num_layers=num_layers,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size or _DEFAULT_HIDDEN_SIZE,
-            dtype=dtype,
-            special_ids=_special_ids(),
-            max_positions=_MAX_POSITIONS,
-        )
+        config = write_config(**shape)
         specs = weight_specs(config)
     else:
         config = tiny_config(
@@ -371,27 +364,17 @@ def _weight_specs(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], st
         specs[f"{a}.o_proj.weight"] = ((h, heads * v_dim), "linear")
         m = f"{p}.mlp"
         if i < config["first_k_dense_replace"]:
-            specs.update(_mlp_specs(m, h, config["intermediate_size"]))
+            specs.update(mlp_specs(m, h, config["intermediate_size"]))
             continue
         specs[f"{m}.gate.weight"] = ((experts, h), "router")
         if config["topk_method"] == "noaux_tc":
             specs[f"{m}.gate.e_score_correction_bias"] = ((experts,), "bias")
         inter = config["moe_intermediate_size"]
         for e in range(experts):
-            specs.update(_mlp_specs(f"{m}.experts.{e}", h, inter))
+            specs.update(mlp_specs(f"{m}.experts.{e}", h, inter))
         shared = inter * config["n_shared_experts"]
-        specs.update(_mlp_specs(f"{m}.shared_experts", h, shared))
+        specs.update(mlp_specs(f"{m}.shared_experts", h, shared))
     return specs
-
-
-def _mlp_specs(
-    prefix: str, hidden: int, inter: int
-) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {
-        f"{prefix}.gate_proj.weight": ((inter, hidden), "linear"),
-        f"{prefix}.up_proj.weight": ((inter, hidden), "linear"),
-        f"{prefix}.down_proj.weight": ((hidden, inter), "linear"),
-    }
 
 
 def draw(seed: int, name: str, shape: tuple[int, ...], kind: str) -> torch.Tensor:

@@ -130,7 +130,7 @@ def step3p5_weight_specs(
         specs[f"{p}.input_layernorm.weight"] = ((h,), "norm")
         specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
         if i not in moe_layers:
-            specs.update(_mlp(f"{p}.mlp", h, config["intermediate_size"]))
+            specs.update(mlp_specs(f"{p}.mlp", h, config["intermediate_size"]))
             continue
         m = f"{p}.moe"
         specs[f"{m}.gate.weight"] = ((experts, h), "router")
@@ -138,7 +138,7 @@ def step3p5_weight_specs(
         specs[f"{m}.gate_proj.weight"] = ((experts, inter, h), "linear")
         specs[f"{m}.up_proj.weight"] = ((experts, inter, h), "linear")
         specs[f"{m}.down_proj.weight"] = ((experts, h, inter), "linear")
-        specs.update(_mlp(f"{m}.share_expert", h, config["share_expert_dim"]))
+        specs.update(mlp_specs(f"{m}.share_expert", h, config["share_expert_dim"]))
     return specs
 
 
@@ -211,14 +211,14 @@ def hy_v3_weight_specs(
         specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
         m = f"{p}.mlp"
         if i < config["first_k_dense_replace"]:
-            specs.update(_mlp(m, h, config["intermediate_size"]))
+            specs.update(mlp_specs(m, h, config["intermediate_size"]))
             continue
         specs[f"{m}.gate.weight"] = ((experts, h), "router")
         specs[f"{m}.expert_bias"] = ((experts,), "bias")
         for e in range(experts):
-            specs.update(_mlp(f"{m}.experts.{e}", h, inter))
+            specs.update(mlp_specs(f"{m}.experts.{e}", h, inter))
         shared = inter * config["num_shared_experts"]
-        specs.update(_mlp(f"{m}.shared_mlp", h, shared))
+        specs.update(mlp_specs(f"{m}.shared_mlp", h, shared))
     return specs
 
 
@@ -229,9 +229,11 @@ OWN_WRITERS = {
 }
 
 
-def _mlp(
+def mlp_specs(
     prefix: str, hidden: int, inter: int
 ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The three projections of a gated MLP (an expert, a dense or shared
+    MLP) under ``prefix``."""
     return {
         f"{prefix}.gate_proj.weight": ((inter, hidden), "linear"),
         f"{prefix}.up_proj.weight": ((inter, hidden), "linear"),
