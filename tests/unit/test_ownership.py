@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_afd.models.ownership import SplitPrefixes, weight_owner
+from vllm_afd.models.ownership import SplitPrefixes, vllm_weight_name, weight_owner
 from vllm_afd.roles import AFDRole
 
 A, F = AFDRole.ATTENTION, AFDRole.FFN
@@ -209,3 +209,46 @@ def test_weight_owner_gate_prefix_does_not_claim_gate_proj() -> None:
     )
     name = "model.layers.1.mlp.gate_proj.weight"  # inside the block, not the gate
     assert weight_owner(name, prefixes, compute_gate_on_attention=True) is F
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "owners"),
+    [
+        # Granite 4's loader renames these itself (its record's
+        # ``checkpoint_renames``): the router goes where the gate runs, the
+        # packed experts to the FFN, the shared MLP beside the block where
+        # dense MLPs run, Mamba's parameters to attention
+        ("model.layers.1.block_sparse_moe.router.layer.weight", (F, A)),
+        ("model.layers.1.block_sparse_moe.input_linear.weight", (F, F)),
+        ("model.layers.1.block_sparse_moe.output_linear.weight", (F, F)),
+        ("model.layers.1.shared_mlp.input_linear.weight", (F, A)),
+        ("model.layers.0.mamba.A_log", (A, A)),
+    ],
+)
+def test_a_family_loader_s_own_renames_decide_ownership(
+    checkpoint: str, owners: tuple[AFDRole, AFDRole]
+) -> None:
+    from vllm_afd.models.families import family_of
+
+    family = family_of("GraniteMoeHybridForCausalLM")
+    assert family is not None
+    name = vllm_weight_name(checkpoint, None, family.checkpoint_renames)
+    blocks = tuple(f"model.layers.{i}.block_sparse_moe" for i in range(3))
+    prefixes = SplitPrefixes(
+        moe_blocks=blocks,
+        gates=tuple(f"{b}.gate" for b in blocks),
+        dense_mlps=tuple(f"model.layers.{i}.shared_mlp" for i in range(3)),
+        routed_experts=tuple(f"{b}.experts" for b in blocks),
+    )
+    for gate_on_attention, owner in zip((False, True), owners, strict=True):
+        got = weight_owner(name, prefixes, compute_gate_on_attention=gate_on_attention)
+        assert got is owner, (checkpoint, name, gate_on_attention)
+
+
+def test_the_model_s_name_map_runs_first_and_a_dropped_name_stays():
+    mapped = {"model.layers.1.mlp.router.weight": "model.layers.1.mlp.gate.weight"}
+    assert (
+        vllm_weight_name("model.layers.1.mlp.router.weight", mapped.get)
+        == "model.layers.1.mlp.gate.weight"
+    )
+    assert vllm_weight_name("lm_head.weight", mapped.get) == "lm_head.weight"

@@ -18,6 +18,7 @@ but not ``mlp.gate_proj.weight`` or ``mlp.shared_expert_gate.weight``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_afd.roles import AFDRole
@@ -60,3 +61,18 @@ def weight_owner(
     if under_any(name, prefixes.moe_blocks):
         return AFDRole.FFN
     return AFDRole.ATTENTION
+
+
+def vllm_weight_name(
+    name: str,
+    map_name: Callable[[str], str | None] | None,
+    renames: Sequence[tuple[str, str]] = (),
+) -> str:
+    """Checkpoint weight ``name`` as vLLM names it, which ownership is
+    decided on: through the model's name map (a ``WeightsMapper``'s, None
+    where it has none; a name it drops stays as it is), then the renames a
+    family's loader makes in its own code (``Family.checkpoint_renames``)."""
+    mapped = (map_name(name) if map_name is not None else name) or name
+    for checkpoint, vllm in renames:
+        mapped = mapped.replace(checkpoint, vllm)
+    return mapped

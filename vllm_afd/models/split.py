@@ -40,7 +40,12 @@ from vllm_afd.models.families import (
 from vllm_afd.models.ffn_layers import FFNLayers
 from vllm_afd.models.layout import ModelSplit, model_log_line
 from vllm_afd.models.moe_tail import closing_add_fused
-from vllm_afd.models.ownership import SplitPrefixes, under_any, weight_owner
+from vllm_afd.models.ownership import (
+    SplitPrefixes,
+    under_any,
+    vllm_weight_name,
+    weight_owner,
+)
 from vllm_afd.models.remote import Absent, AbsentGate, AFDRemoteRunner, layer_index
 from vllm_afd.roles import AFDRole
 
@@ -363,13 +368,11 @@ class RoleSplitMixin(nn.Module):
         )
 
         family = family_of(self._afd_arch)
+        map_name = mapper._map_name if mapper is not None else None
         renames = family.checkpoint_renames if family is not None else ()
 
         def vllm_name(name: str) -> str:
-            mapped = (mapper._map_name(name) if mapper is not None else name) or name
-            for checkpoint, vllm in renames:
-                mapped = mapped.replace(checkpoint, vllm)
-            return mapped
+            return vllm_weight_name(name, map_name, renames)
 
         def owner(name: str) -> Any:
             return weight_owner(
