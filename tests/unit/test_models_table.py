@@ -69,3 +69,33 @@ def test_an_alias_is_split_as_the_architecture_whose_class_vllm_builds():
         assert issubclass(role_split_class(alias).__mro__[2], native)
         assert (role_split_class(alias).__mro__[2] is native) is same_class
         assert role_split_class(alias)._afd_arch == alias
+
+
+def test_the_modules_said_to_need_a_missing_package_fail_to_import_here():
+    """Where torchvision is missing (the CPU install), exactly the modules
+    ``CPU_IMPORT_NEEDS`` names fail to import, among those of architectures
+    with no record and no other reason, each for want of what it names."""
+    import importlib
+    import importlib.util
+
+    import pytest
+
+    from vllm_afd.models.families import family_of, vllm_module_path
+    from vllm_afd.models.registry_table import CPU_IMPORT_NEEDS, TRIED
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: these modules import here")
+    unsure = {
+        m.rsplit(".", 1)[-1]: m
+        for a, m in moe_architectures()
+        if family_of(a) is None and a not in TRIED
+    }
+    failing = {}
+    for short, module in sorted(unsure.items()):
+        try:
+            importlib.import_module(vllm_module_path(module))
+        except ModuleNotFoundError as e:
+            failing[short] = str(e)
+    assert set(failing) == set(CPU_IMPORT_NEEDS)
+    for short, message in failing.items():
+        assert CPU_IMPORT_NEEDS[short].strip("`") in message, (short, message)

@@ -89,6 +89,37 @@ GPU_ONLY: dict[str, str] = {
     ),
 }
 
+#: vLLM modules the CPU install cannot import, and what they need that it
+#: lacks (their vision or audio models' processors): plain vLLM cannot load
+#: these architectures on CPU. Held to the installed vLLM by
+#: ``tests/unit/test_models_table.py`` on a host without torchvision.
+CPU_IMPORT_NEEDS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "bailing_moe_v3_vl",
+            "cosmos3_edge",
+            "gemma4_unified",
+            "interns1_pro",
+            "interns2_mobius",
+            "interns2_preview",
+            "mllama4",
+            "mimo_v2_omni",
+            "minicpmv4_6",
+            "minicpmv4_7",
+            "nano_nemotron_vl",
+            "qwen3_asr",
+            "qwen3_asr_realtime",
+            "qwen3_omni_moe_thinker",
+            "qwen3_vl_moe",
+            "qwen3_5",
+        ),
+        "torchvision",
+    ),  # fmt: skip
+    # transformers' Gemma 4 processor, which needs torchvision
+    "gemma4_mm": "`Gemma4Processor`",
+    "diffusion_gemma": "`Gemma4Processor`",
+}
+
 _SECTIONS = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
 
 
@@ -158,9 +189,15 @@ def table_markdown() -> str:
             if arch in GPU_ONLY:
                 what += f"; {GPU_ONLY[arch]}"
         else:
-            what = "refused at start-up: " + TRIED.get(
-                arch, "no family record (not tried)"
-            )
+            short = module.rsplit(".", 1)[-1]
+            untried = "no family record (not tried)"
+            if short in CPU_IMPORT_NEEDS:
+                untried = (
+                    f"no family record: vLLM's `{short}` module imports "
+                    f"{CPU_IMPORT_NEEDS[short]}, which the CPU install lacks, so "
+                    "plain vLLM cannot load it on CPU; not tried on a GPU"
+                )
+            what = "refused at start-up: " + TRIED.get(arch, untried)
         rows.append(f"| `{arch}` | `{module.rsplit('.', 1)[-1]}` | {what} |")
     return "\n".join(rows) + "\n"
 
