@@ -86,7 +86,8 @@ class CudaEventClock:
         try:
             yield
         finally:
-            end = self._event()
+            with self._lock:
+                end = self._event()
             end.record()
             with self._lock:
                 self._pending.append((start, end))
