@@ -52,11 +52,13 @@ class AFDConfig:
             its own ``vllm serve`` (FFN ranks are independent; vLLM data
             parallelism would couple them). Attention ranks are vLLM
             data-parallel ranks, which keeps them in lockstep.
-        num_ubatches: attention role on CUDA: split each large enough step
-            into this many micro-batches, so one micro-batch's attention runs
+        num_ubatches: attention role: split each large enough step into
+            this many micro-batches, so one micro-batch's attention runs
             while another's activations are in transfer or on the FFN
-            (dual-batch overlap at 2). 1 turns it off. The FFN role follows
-            the step plans and ignores it.
+            (dual-batch overlap at 2). ``p2p`` on CUDA: vLLM's split at half
+            the tokens; ``async`` on CPU: two stages cut at a request
+            boundary (``worker.stages``). 1 turns it off. The FFN role
+            ignores it.
         attention_ranks_per_device: attention role on CUDA: how many
             consecutive attention ranks (vLLM data-parallel ranks) share one
             device set, e.g. 2 puts both ranks of a 2A1F deployment on one
@@ -273,13 +275,6 @@ def parse_afd_config(raw: Any) -> AFDConfig:
             f"afd.num_ubatches={num_ubatches} is outside 1..{MAX_UBATCHES}; "
             "2 gives dual-batch overlap, 1 turns micro-batching off"
         )
-    if num_ubatches != 1 and connector == ASYNC:
-        raise AFDConfigError(
-            f"afd.num_ubatches={num_ubatches} is for the synchronous (p2p) "
-            "exchange; the async connector does not split steps into "
-            "micro-batches yet: set it to 1"
-        )
-
     per_device = raw.get(
         "attention_ranks_per_device", AFDConfig.attention_ranks_per_device
     )

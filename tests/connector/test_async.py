@@ -331,8 +331,10 @@ def test_config_implies_gate_on_attention_and_refuses_what_async_cannot_do():
         parse_afd_config(
             {"role": "ffn", "connector": "async", "compute_gate_on_attention": False}
         )
-    with pytest.raises(AFDConfigError, match="does not split steps into micro"):
-        parse_afd_config({"role": "attention", "connector": "async", "num_ubatches": 2})
+    staged = parse_afd_config(
+        {"role": "attention", "connector": "async", "num_ubatches": 2}
+    )
+    assert staged.num_ubatches == 2  # request-boundary stages (CPU)
     with pytest.raises(AFDConfigError, match="async connector allows fewer"):
         parse_afd_config({"role": "attention", "num_ffn_ranks": 2})
     with pytest.raises(AFDConfigError, match="create_async_endpoint"):
@@ -461,6 +463,44 @@ def _watched(att) -> tuple[threading.Event, list[str]]:
     lost, why = threading.Event(), []
     att.watch_peers(lambda w, rank: (why.append(w), lost.set()), period_s=0.1)
     return lost, why
+
+
+def test_two_stages_in_flight_read_their_own_replies_and_the_watch_waits():
+    """Request-boundary stages (``worker.stages``): two exchanges of a layer
+    dispatched before either is finished, on 1A2F. Both FFN ranks have
+    answered both before the first finish reads, so each read must take its
+    own reply only; the watch stays off the connections until the last ends."""
+    att, ffns = _pair(f=2)
+    seen: list = []
+    servers = [
+        threading.Thread(target=_serve_items, args=(ffn, seen), daemon=True)
+        for ffn in ffns
+    ]
+    for t in servers:
+        t.start()
+    lost, _ = _watched(att)
+    stages = [_inputs(0, 0, 1, n) for n in (5, 3)]
+    pending = [att.dispatch(1, h, r, 1, False, 10.0) for h, r in stages]
+    deadline = time.monotonic() + 10
+    while len(seen) < 4 and time.monotonic() < deadline:  # every reply sent
+        time.sleep(0.01)
+    assert len(seen) == 4, seen
+    assert not att._io.acquire(blocking=False)  # held: two in flight
+    for p, (hidden, routing) in zip(pending, stages, strict=True):
+        out = att.finish(p, 10.0)
+        assert torch.allclose(out, _expert_sum(hidden, routing), atol=1e-6)
+    assert att._io.acquire(blocking=False)  # free once the last ended
+    att._io.release()
+    assert not lost.is_set()
+    att.close()
+    for t in servers:
+        t.join(10)
+
+
+def _serve_items(ffn, seen: list) -> None:
+    while (item := ffn.next_item()) is not None:
+        ffn.reply(item, _expert_sum(item.hidden, item.routing))
+        seen.append(item.seq)
 
 
 def test_the_watch_reports_an_ffn_rank_that_shuts_down_between_exchanges():

@@ -4,7 +4,8 @@ For each family ``vllm-afd tiny-model`` writes (3 layers; layer 0 dense where
 the family has dense layers), with the gate on the attention role: Mixtral 1A1F
 and Qwen2-MoE 2A1F on the synchronous connector (``p2p``), Qwen3-MoE 1A2F and
 GLM-4.5 2A2F on the ``async`` connector (the routed experts split over the two
-FFN ranks; GLM-4.5's shared experts on FFN rank 0); the families served since,
+FFN ranks; GLM-4.5's shared experts on FFN rank 0; Qwen3-MoE's steps in two
+request-boundary stages, ``worker.stages``); the families served since,
 each at 1A1F with the gate on attention (gpt-oss at 2A1F) but Cohere2-MoE, with
 the gate on the FFN role. Each is compared token-for-token (and top-5 logprobs)
 with one plain vLLM server of the same model and settings (fp32, eager) on 16
@@ -136,7 +137,16 @@ CASES = [
     # expert biases cut with the weights; its loader handed each all-expert
     # tensor's rows of the rank's slice (``Family.whole_expert_tensors``)
     ("gpt_oss", 1, 2, True, "async"),
-    ("qwen3_moe", 1, 2, True, "async"),  # last: the fault test below ends it
+    # with request-boundary stages (afd.num_ubatches 2): most steps split
+    ("qwen3_moe", 1, 2, True, "async+stages"),  # last: the fault test ends it
+]
+#: vLLM's micro-batch thresholds on the staged case's attention role, low
+#: enough that the decode steps of this workload are split too
+STAGE_ARGS = [
+    "--dbo-prefill-token-threshold",
+    "64",
+    "--dbo-decode-token-threshold",
+    "4",
 ]
 # AFD_TEST_ASYNC_FAMILIES=1: every family on the async connector at 2A2F too
 # (outside CI's time budget; docs/prefill.md quotes a run)
@@ -238,10 +248,15 @@ def test_family_exact_and_role_split(
     assert (ffn["dense_mlp"] > 0) == (not gate_on_attention and bool(dense)), ffn
     assert (ffn["shared_experts"] > 0) == (family in SHARED)
 
-    if connector == "async":
+    if connector.startswith("async"):
         _check_expert_slices(run.log, EXPERTS[family], ffn_ranks)
-    if connector == "async" and ranks > 1:
+    if connector.startswith("async") and ranks > 1:
         _check_ranks_step_on_their_own(spec)
+    if connector.endswith("+stages"):
+        split = run.metrics[("afd_attention_ubatched_steps", "attention", "0")]
+        steps = run.metrics[("afd_steps", "attention", "0")]
+        FAMILY_RESULTS[-1] += f"; {split:.0f} of {steps:.0f} steps in stages"
+        assert 0 < split < steps, run.metrics
 
 
 def _check_ranks_step_on_their_own(spec) -> None:
@@ -264,6 +279,8 @@ def _check_ranks_step_on_their_own(spec) -> None:
 
 def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector: str):
     dtype = DTYPES.get(Path(model).name, "float32")
+    connector, _, stages = connector.partition("+")
+    staged = {"ubatches": 2, "attention_args": STAGE_ARGS} if stages else {}
     return make_spec(
         model,
         ["--dtype", dtype, "--enforce-eager"],
@@ -271,16 +288,18 @@ def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector:
         ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,
         connector=connector,
+        **staged,
     )
 
 
 def test_async_ffn_rank_lost_fails_its_requests_and_rejoins(family_models):
-    """The async Qwen3-MoE 1A2F deployment above (its last user): FFN rank 1,
-    whose experts are nowhere else, SIGKILLed after the first streamed token.
+    """The async Qwen3-MoE 1A2F deployment above (its last user; steps in
+    two stages): FFN rank 1, whose experts are nowhere else, SIGKILLed after
+    the first streamed token.
     The stream ends with an error, ``/health`` answers 503 naming ffn rank 1,
     the launcher restarts it, the attention rank and FFN rank 0 re-form the
     session with it (same processes), and the workload is exact again."""
-    spec = _spec(family_models["qwen3_moe"], 1, 2, True, "async")
+    spec = _spec(family_models["qwen3_moe"], 1, 2, True, "async+stages")
     afd, log = POOL.take(spec)
     try:
         url = afd.api_url
@@ -307,7 +326,7 @@ def test_async_ffn_rank_lost_fails_its_requests_and_rejoins(family_models):
         again, plain_outputs(spec, prompts(16)), _atol("qwen3_moe", 1, 2)
     )
     FAULT_RESULTS.append(
-        "1A2F async, ffn rank 1 SIGKILLed mid-stream: "
+        "1A2F async in stages, ffn rank 1 SIGKILLed mid-stream: "
         + ", ".join(f"{k} {v:.2f}s" for k, v in figures.items())
     )
 

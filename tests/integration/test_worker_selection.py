@@ -469,12 +469,20 @@ def test_attention_refuses_breakable_piecewise_graphs(
     assert "FULL_DECODE_ONLY" in message and "--enforce-eager" in message
 
 
-def test_create_engine_config_ubatches_on_cpu_raise_config_error(
+def test_create_engine_config_p2p_ubatches_on_cpu_raise_config_error(
     checkpoint: Path,
 ) -> None:
     afd = {"role": "attention", "num_ubatches": 2}
-    with pytest.raises(AFDConfigError, match=r"afd.num_ubatches=2 needs CUDA"):
+    with pytest.raises(
+        AFDConfigError,
+        match=r"afd.num_ubatches=2 with the p2p connector needs CUDA .* or the "
+        r"async connector",
+    ):
         _engine_args(checkpoint, afd).create_engine_config()
+    # async splits steps into request-boundary stages on CPU
+    staged = {"role": "attention", "connector": "async", "num_ubatches": 2}
+    config = _engine_args(checkpoint, staged).create_engine_config()
+    assert not config.parallel_config.use_ubatching  # vLLM's own DBO stays off
     # The FFN role follows the step plans: the key is accepted and unused.
     ffn = _engine_args(checkpoint, {"role": "ffn", "num_ubatches": 2})
     assert ffn.create_engine_config().parallel_config.worker_cls == AFD_CPU_FFN_WORKER

@@ -57,8 +57,16 @@ def test_the_synchronous_connector_runs_at_most_a_ffn_ranks():
     )  # fmt: skip
     assert bt._afd_spec(ns, "p2p").ffn_ranks == 1
     spec = bt._afd_spec(ns, "async")
-    assert (spec.ffn_ranks, spec.connector) == (2, "async")
+    assert (spec.ffn_ranks, spec.connector, spec.ubatches) == (2, "async", 1)
     assert spec.gate_on_attention
+    staged = bt._afd_spec(ns, "async+stages")
+    assert (staged.ffn_ranks, staged.connector, staged.ubatches) == (2, "async", 2)
+
+
+def test_an_unknown_connector_variant_is_refused_before_any_server_starts(capsys):
+    args = build_parser().parse_args(["bench-ttft", "m", "--connectors", "p2p+x"])
+    assert bt.run_bench_ttft(args) == 2
+    assert "the only variant is async+stages" in capsys.readouterr().err
 
 
 def test_each_run_has_a_cache_salt_vllm_accepts_and_failures_are_shown():

@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--connectors",
         default="p2p,async",
         help="comma-separated AFD connectors to compare with plain vLLM "
-        "(default p2p,async)",
+        "(default p2p,async; async+stages: async with afd.num_ubatches 2)",
     )
     p.add_argument(
         "--rates", default="1,2,4", help="comma-separated request rates, req/s"
@@ -205,6 +205,14 @@ def cache_salt(target: str, rate: float) -> str:
 
 
 def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:
+    """The deployment of one ``--connectors`` entry: a connector, or
+    ``async+stages`` (``async`` with ``afd.num_ubatches`` 2)."""
+    connector, plus, variant = connector.partition("+")
+    if plus and (connector, variant) != ("async", "stages"):
+        raise ValueError(
+            f"--connectors entry {connector}{plus}{variant!r}: the only variant "
+            "is async+stages"
+        )
     ffn = args.ffn_ranks
     if connector != "async":
         ffn = min(ffn, args.attention_ranks)  # the synchronous topology: A >= F
@@ -212,7 +220,7 @@ def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:
         model=args.model, attention_ranks=args.attention_ranks, ffn_ranks=ffn,
         port=args.port, afd_port=args.afd_port, connector=connector,
         gate_on_attention=True, vllm_args=list(args.vllm_args),
-        ready_timeout_s=args.ready_timeout,
+        ready_timeout_s=args.ready_timeout, ubatches=2 if variant else 1,
     ).with_default_devices()  # fmt: skip
 
 
@@ -232,14 +240,15 @@ def format_table(rows: list[dict], slo_ms: float) -> str:
     def ms(v: float | None) -> str:
         return f"{v:8.1f}" if v is not None else "       -"
 
+    w = max([18, *(len(r["target"]) for r in rows)])  # the target column
     lines = [
-        f"{'rate':>6}  {'target':<18} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'rate':>6}  {'target':<{w}} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
         f"{'SLO':>5} {'req/s':>6} {'failed':>6}  p50 vs plain",
     ]
     for r in sorted(rows, key=lambda r: r["rate"]):
         ratio = r["p50_vs_plain"]
         lines.append(
-            f"{r['rate']:>6g}  {r['target']:<18} {ms(r['ttft_p50_ms'])} "
+            f"{r['rate']:>6g}  {r['target']:<{w}} {ms(r['ttft_p50_ms'])} "
             f"{ms(r['ttft_p90_ms'])} {ms(r['ttft_p99_ms'])} "
             f"{r['slo_attainment']:>5.0%} {r['requests_per_s']:>6.2f} "
             f"{r['failed']:>6}  {f'{ratio:.2f}x' if ratio is not None else '-'}"
@@ -250,7 +259,7 @@ def format_table(rows: list[dict], slo_ms: float) -> str:
         lines.append("per request (AFD counters): connector wait, FFN compute, A2F")
         for r in sorted(parts, key=lambda r: (r["rate"], r["target"])):
             lines.append(
-                f"{r['rate']:>6g}  {r['target']:<18} wait {r['wait_ms']:8.1f} ms  "
+                f"{r['rate']:>6g}  {r['target']:<{w}} wait {r['wait_ms']:8.1f} ms  "
                 f"ffn {r['ffn_ms']:8.1f} ms  a2f {r['a2f_mib']:7.2f} MiB"
             )
     for r in rows:
@@ -300,6 +309,8 @@ def run_bench_ttft(args: argparse.Namespace) -> int:
         connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
         if args.num_requests <= 0:
             raise ValueError(f"--num-requests={args.num_requests} must be positive")
+        for connector in connectors:
+            _afd_spec(args, connector)  # refuses an unknown variant now
     except ValueError as exc:
         _note(str(exc))
         return 2

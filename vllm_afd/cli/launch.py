@@ -101,7 +101,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--ubatches",
         type=int,
         default=1,
-        help="afd.num_ubatches of the attention role (2: dual-batch overlap, CUDA)",
+        help="afd.num_ubatches of the attention role (2: dual-batch overlap; "
+        "p2p on CUDA, async on CPU)",
     )
     p.add_argument(
         "--attention-args",

@@ -340,18 +340,27 @@ def check_device_sharing_supported(afd: AFDConfig) -> None:
 
 
 def check_ubatches_supported(afd: AFDConfig, parallel: Any) -> None:
-    """Micro-batching needs the CUDA V2 runner and one attention TP rank.
+    """Micro-batching needs one attention TP rank, and the CUDA V2 runner
+    (``p2p``) or the CPU runner (``async``, request-boundary stages).
 
     Raises:
         AFDConfigError: naming afd.num_ubatches and the setting that clashes.
     """
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cuda():
+    if afd.is_async:
+        if current_platform.is_cuda():
+            raise AFDConfigError(
+                f"afd.num_ubatches={afd.num_ubatches} with the async connector "
+                "splits steps at request boundaries on CPU only so far (on CUDA "
+                "its work items pass through host memory). Use afd.num_ubatches=1"
+            )
+    elif not current_platform.is_cuda():
         raise AFDConfigError(
-            f"afd.num_ubatches={afd.num_ubatches} needs CUDA (vLLM's V2 model "
-            f"runner); this platform is {current_platform.device_type}. Use "
-            "afd.num_ubatches=1"
+            f"afd.num_ubatches={afd.num_ubatches} with the p2p connector needs "
+            "CUDA (vLLM's V2 model runner); this platform is "
+            f"{current_platform.device_type}. Use afd.num_ubatches=1, or the "
+            "async connector (request-boundary stages)"
         )
     if parallel.tensor_parallel_size != 1:
         raise AFDConfigError(

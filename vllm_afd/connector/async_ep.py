@@ -161,6 +161,17 @@ class WorkItem:
     counts: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Pending:
+    """An exchange whose work items are sent and whose replies are not read
+    yet (:meth:`AsyncAttention.dispatch`)."""
+
+    layer: int
+    hidden: torch.Tensor
+    sent: Sent
+    parts: int
+
+
 class _Link:
     """One connection of an endpoint to a peer, in async frames."""
 
@@ -289,9 +300,11 @@ class AsyncAttention(AsyncEndpoint):
         self._failure: str | None = None
         #: the FFN rank whose failure ended this endpoint (None: none yet)
         self.lost_rank: int | None = None
-        # held by an exchange for its whole length: the watch reads the
+        # held while exchanges are in flight: the watch reads the
         # connections only between exchanges
         self._io = threading.Lock()
+        self._flight = threading.Lock()
+        self._in_flight = 0
 
     def exchange(
         self,
@@ -310,6 +323,30 @@ class AsyncAttention(AsyncEndpoint):
             AFDTimeoutError: a reply took longer than ``timeout_s``.
             AFDPeerError: an FFN rank exited, shut down or broke the protocol.
         """
+        pending = self.dispatch(
+            layer, hidden, routing, parts, shared_experts, timeout_s
+        )
+        return self.finish(pending, timeout_s)
+
+    def dispatch(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        routing: Routing,
+        parts: int,
+        shared_experts: bool,
+        timeout_s: float | None = None,
+    ) -> Pending:
+        """The first half of :meth:`exchange`: send the work items of
+        ``hidden``'s rows and return at once. Several may be in flight (one
+        per micro-batch); each is finished with :meth:`finish` or dropped
+        with :meth:`abandon`, in the order they were dispatched (an FFN rank
+        replies to one attention rank's items in that order).
+
+        Raises:
+            AFDPeerError: an FFN rank is gone or read nothing in ``timeout_s``
+                (default: the endpoint's).
+        """
         if self._failure is not None:
             raise AFDConnectorError(
                 f"the async connector failed earlier: {self._failure}"
@@ -319,15 +356,58 @@ class AsyncAttention(AsyncEndpoint):
                 "shared experts with several FFN ranks need the shared and routed "
                 "outputs apart (moe_output_parts=2); the role split sets it"
             )
+        self._hold()
         try:
-            with self._io:
-                sent = self._dispatch(layer, hidden, routing, shared_experts, timeout_s)
-                replies = self._collect(layer, sent, timeout_s, hidden.device)
-        except AFDConnectorError as e:
-            self._errors += 1
-            self._failure = str(e)
+            sent = self._dispatch(
+                layer, hidden, routing, shared_experts, timeout_s or self.timeout_s
+            )
+        except BaseException as e:
+            self._let_go()
+            if isinstance(e, AFDConnectorError):
+                self._fail(e)
             raise
-        return combine(hidden, sent, replies, parts, self._buffers)
+        return Pending(layer, hidden, sent, parts)
+
+    def finish(self, pending: Pending, timeout_s: float) -> torch.Tensor:
+        """The second half of :meth:`exchange`: wait at most ``timeout_s`` for
+        ``pending``'s replies and add them (``[T, parts * H]``)."""
+        try:
+            replies = self._collect(
+                pending.layer, pending.sent, timeout_s, pending.hidden.device
+            )
+        except AFDConnectorError as e:
+            self._fail(e)
+            raise
+        finally:
+            self._let_go()
+        return combine(
+            pending.hidden, pending.sent, replies, pending.parts, self._buffers
+        )
+
+    def abandon(self, pending: Pending) -> None:
+        """Drop ``pending`` unread (its micro-batch's step failed): this
+        endpoint is done with, as after a failed exchange."""
+        if self._failure is None:
+            self._failure = f"layer {pending.layer}: an exchange was left unfinished"
+        self._let_go()
+
+    def _hold(self) -> None:
+        """One more exchange in flight: the first keeps the watch off the
+        connections (the lock is released by whichever thread ends the last)."""
+        with self._flight:
+            if self._in_flight == 0:
+                self._io.acquire()
+            self._in_flight += 1
+
+    def _let_go(self) -> None:
+        with self._flight:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._io.release()
+
+    def _fail(self, error: AFDConnectorError) -> None:
+        self._errors += 1
+        self._failure = self._failure or str(error)
 
     def _dispatch(
         self,
@@ -432,7 +512,8 @@ class AsyncAttention(AsyncEndpoint):
                 waiting = [f for f in expect if f not in got]
                 for f in waiting:
                     self.lost_rank = f  # until its reply is read
-                    for frame in self.links[f].reader.read():
+                    # this reply only: the next may be another micro-batch's
+                    for frame in self.links[f].reader.read(limit=1):
                         got[f] = self._reply_of(f, frame, layer, expect[f])
                     if f not in got and self.links[f].reader.eof:
                         raise AFDPeerError(

@@ -163,17 +163,20 @@ class FrameReader:
         self._view: memoryview | None = None
         self._filled = 0
 
-    def read(self) -> list[Frame]:
-        """Every frame completed by what the socket holds now (never blocks).
-        Sets :attr:`eof` when the peer closed its side."""
+    def read(self, limit: int | None = None) -> list[Frame]:
+        """Every frame completed by what the socket holds now (never blocks),
+        at most ``limit`` of them (the bytes of later frames stay buffered or
+        in the socket for the next call). Sets :attr:`eof` when the peer
+        closed its side."""
         frames: list[Frame] = []
-        while True:
+        while limit is None or len(frames) < limit:
             frame = self._advance()
             if frame is not None:
                 frames.append(frame)
                 continue
             if self.eof or not self._recv():
-                return frames
+                break
+        return frames
 
     def _recv(self) -> bool:
         """Read once from the socket; False when nothing more is there."""

@@ -10,6 +10,11 @@ exchange answers it without step plans::
                                           experts of these rows, their replies
                                           added (``connector.async_ep``)
 
+With ``afd.num_ubatches = 2`` (CPU) a step may run as two stages on
+threads of their own (``worker.stages``): a stage sends its work items,
+hands the baton to the other stage, and reads its replies once the baton is
+back, so one stage's attention overlaps the other's experts.
+
 On a GPU the endpoint groups the rows there and copies only each FFN rank's
 work item to host memory, and adds the replies on the GPU (the frames
 travel over TCP; such a forward cannot be captured in a CUDA graph, which
@@ -89,6 +94,7 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
             if self._mode is ExecMode.EAGER and self.step_id > 0:
                 self._served = True
             self.step_id += 1
+            self.ubatched_steps += len(ubatch_tokens) > 1
             self._mode = mode
             if self.on_step is not None:
                 self.on_step(StepPlan(self.step_id, mode, ubatch_tokens))
@@ -118,13 +124,27 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
             return _away(hidden, parts)
         slow = self._mode is not ExecMode.EAGER or not self._served
         timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
+        switch = self.switch
+        if switch is not None and not switch.active():
+            switch = None  # this forward runs whole
         try:
             # on hidden's device: the endpoint copies to and from host memory
             # only what crosses to each FFN rank
-            out = endpoint.exchange(
+            pending = endpoint.dispatch(
                 layer_idx, hidden, routing.to(hidden.device), parts,
                 self.shared_experts, timeout_s,
             )  # fmt: skip
+            if switch is not None:
+                # the other stage's attention runs while these rows are away
+                try:
+                    switch.yield_()
+                except BaseException:
+                    endpoint.abandon(pending)
+                    raise
+                if self.failure is not None:  # the other stage lost an FFN rank
+                    endpoint.abandon(pending)
+                    return _away(hidden, parts)
+            out = endpoint.finish(pending, timeout_s)
         except AFDError as e:
             link = self.async_link
             if link is None:

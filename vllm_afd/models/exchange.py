@@ -116,6 +116,8 @@ class AttentionExchange(Generic[C]):
         # Micro-batches (``worker.ubatching``): which one runs, and hand-off.
         self.switch = switch
         self.step_id = 0
+        # steps of two or more micro-batches (afd_attention_ubatched_steps)
+        self.ubatched_steps = 0
         # True while the runner records CUDA graphs (announce_graphs).
         self.capturing_graphs = False
         self._staged: tuple[int, ...] | None = None
@@ -128,6 +130,7 @@ class AttentionExchange(Generic[C]):
         ubatch_tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
         with self._lock:
             self.step_id += 1
+            self.ubatched_steps += len(ubatch_tokens) > 1
             plan = StepPlan(self.step_id, mode, ubatch_tokens)
             if self.on_step is not None:
                 self.on_step(plan)

@@ -191,8 +191,9 @@ class AttentionSideMixin(AFDRunnerMixin):
                 link = self.afd_link = open_link(self.vllm_config, endpoint)
                 stats_of = link
             self.afd_metrics = endpoint_publisher(
-                "attention", endpoint.role_rank, stats_of, link=link
-            )
+                "attention", endpoint.role_rank, stats_of, link=link,
+                ubatched_steps=self._afd_ubatched_steps,
+            )  # fmt: skip
         self.afd_profiler = StepProfiler(
             "attention", endpoint.role_rank, skip=envs.profile_skip()
         )
@@ -215,8 +216,9 @@ class AttentionSideMixin(AFDRunnerMixin):
         link = open_async_link(endpoint, work)
         self.afd_link = link
         self.afd_metrics = endpoint_publisher(
-            "attention", endpoint.role_rank, link, link=link
-        )
+            "attention", endpoint.role_rank, link, link=link,
+            ubatched_steps=self._afd_ubatched_steps,
+        )  # fmt: skip
         self.afd_profiler = StepProfiler(
             "attention", endpoint.role_rank, skip=envs.profile_skip()
         )
@@ -225,6 +227,10 @@ class AttentionSideMixin(AFDRunnerMixin):
             link=link,
         )  # fmt: skip
         install_exchange(self.afd_exchange)
+
+    def _afd_ubatched_steps(self) -> int:
+        exchange = self.afd_exchange
+        return 0 if exchange is None else exchange.ubatched_steps
 
     # A step that ran without its FFN rank fails its requests, and only them:
     # the forward ran to its end (the exchange served zeros), the runner's

@@ -22,6 +22,8 @@ Metric names (labels ``role``, ``rank``)::
     afd_errors_total                     connector errors
     afd_ffn_graph_replays_total          steps replayed from CUDA graphs (FFN role)
     afd_ffn_ubatched_steps_total         steps of two or more micro-batches (FFN role)
+    afd_attention_ubatched_steps_total   steps this attention rank split into two
+                                         or more micro-batches (attention role)
     afd_ffn_losses_total                 times this attention rank lost its FFN rank
     afd_ffn_rejoins_total                times its FFN rank came back (rejoined)
 
@@ -54,6 +56,10 @@ METRICS = {
     "ubatched_steps": (
         "afd_ffn_ubatched_steps",
         "AFD steps the FFN role served as two or more micro-batches",
+    ),
+    "attention_ubatched_steps": (
+        "afd_attention_ubatched_steps",
+        "AFD steps the attention rank split into two or more micro-batches",
     ),
     "losses": ("afd_ffn_losses", "AFD times this attention rank lost its FFN rank"),
     "rejoins": ("afd_ffn_rejoins", "AFD times the FFN rank rejoined this rank"),
@@ -138,9 +144,11 @@ def endpoint_publisher(
     loop: CountingLoop | None = None,
     link: Any | None = None,
     interval: float = 0.5,
+    ubatched_steps: Callable[[], int] | None = None,
 ) -> MetricsPublisher:
     """A started publisher for one endpoint's connector (anything with
-    ``stats``: a connector, an FFN link), FFN loop and FFN link."""
+    ``stats``: a connector, an FFN link), FFN loop and FFN link;
+    ``ubatched_steps``: an attention rank's count of split steps."""
 
     def snapshot() -> dict[str, float] | None:
         if loop is None:
@@ -167,6 +175,8 @@ def endpoint_publisher(
             values["tokens"] = loop.stats.tokens
             values["graph_replays"] = loop.stats.graph_replays
             values["ubatched_steps"] = loop.stats.ubatched_steps
+        if ubatched_steps is not None:
+            values["attention_ubatched_steps"] = ubatched_steps()
         if link is not None:
             values["losses"] = link.state.losses
             values["rejoins"] = link.state.rejoins
