@@ -255,7 +255,10 @@ def test_family_exact_and_role_split(
     if connector.endswith("+stages"):
         split = run.metrics[("afd_attention_ubatched_steps", "attention", "0")]
         steps = run.metrics[("afd_steps", "attention", "0")]
-        FAMILY_RESULTS[-1] += f"; {split:.0f} of {steps:.0f} steps in stages"
+        FAMILY_RESULTS.append(
+            f"{family} {ranks}A{ffn_ranks}F {connector}: {split:.0f} of "
+            f"{steps:.0f} steps in stages"
+        )
         assert 0 < split < steps, run.metrics
 
 
