@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from pathlib import Path
 
 from vllm_afd.models.families import family_of, vllm_module_path
 
@@ -90,8 +91,8 @@ GPU_ONLY: dict[str, str] = {
 }
 
 #: vLLM modules the CPU install cannot import, and what they need that it
-#: lacks (their vision or audio models' processors): plain vLLM cannot load
-#: these architectures on CPU. Held to the installed vLLM by
+#: lacks (their vision or audio models' processors, CUDA kernels): plain
+#: vLLM cannot load these architectures on CPU. Held to the installed vLLM by
 #: ``tests/unit/test_models_table.py`` on a host without torchvision.
 CPU_IMPORT_NEEDS: dict[str, str] = {
     **dict.fromkeys(
@@ -99,6 +100,7 @@ CPU_IMPORT_NEEDS: dict[str, str] = {
             "bailing_moe_v3_vl",
             "cosmos3_edge",
             "gemma4_unified",
+            "glm5next",
             "interns1_pro",
             "interns2_mobius",
             "interns2_preview",
@@ -106,6 +108,7 @@ CPU_IMPORT_NEEDS: dict[str, str] = {
             "mimo_v2_omni",
             "minicpmv4_6",
             "minicpmv4_7",
+            "minimax_m3",
             "nano_nemotron_vl",
             "qwen3_asr",
             "qwen3_asr_realtime",
@@ -118,6 +121,8 @@ CPU_IMPORT_NEEDS: dict[str, str] = {
     # transformers' Gemma 4 processor, which needs torchvision
     "gemma4_mm": "`Gemma4Processor`",
     "diffusion_gemma": "`Gemma4Processor`",
+    # vLLM's flash-attention package, whose kernels the CUDA build brings
+    "dots3_note": "`vllm.vllm_flash_attn`",
 }
 
 _SECTIONS = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
@@ -130,14 +135,20 @@ def _imports(module: str) -> str:
 
 
 def _source(module: str) -> str:
+    """The source of a vLLM model module; of every file of a model package
+    (``vllm.models.deepseek_v4`` keeps its MoE layers in submodules)."""
     try:
         spec = importlib.util.find_spec(vllm_module_path(module))
     except (ImportError, ValueError):
         return ""
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
         return ""
-    with open(spec.origin) as f:
-        return f.read()
+    files = [Path(spec.origin)]
+    if spec.submodule_search_locations:  # a package: all of it
+        files = sorted(
+            f for d in spec.submodule_search_locations for f in Path(d).rglob("*.py")
+        )
+    return "\n".join(f.read_text() for f in files)
 
 
 def moe_architectures() -> list[tuple[str, str]]:
