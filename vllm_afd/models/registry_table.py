@@ -55,6 +55,14 @@ TRIED: dict[str, str] = {
         "(`DbrxAttentionConfig` has no `rope_theta`), so no tiny checkpoint "
         "could be written; no record yet"
     ),
+    "LagunaForCausalLM": (
+        "no record yet: its router's score bias is a parameter of vLLM's "
+        "experts module (`mlp.experts.e_score_correction_bias`), which the "
+        "attention role builds as a parameter-free stand-in, so routing there "
+        "needs that parameter held by the stand-in first; and its sigmoid "
+        "scores with a bias take the CPU router path plain vLLM fails on for "
+        "MiniMax-M2, so it could be checked on a GPU only"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
@@ -151,6 +159,21 @@ def _source(module: str) -> str:
     return "\n".join(f.read_text() for f in files)
 
 
+def _gpu_only_package(module: str) -> bool:
+    """Whether a vLLM model package holds an implementation per GPU platform
+    (an ``nvidia`` subpackage) and none for CPU (no ``cpu`` subpackage)."""
+    try:
+        spec = importlib.util.find_spec(vllm_module_path(module))
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    dirs = [Path(d) for d in spec.submodule_search_locations]
+    return any((d / "nvidia").is_dir() for d in dirs) and not any(
+        (d / "cpu").is_dir() for d in dirs
+    )
+
+
 def moe_architectures() -> list[tuple[str, str]]:
     """(architecture, vLLM module) of every MoE architecture in vLLM's text
     generation and multimodal registries, sorted by architecture."""
@@ -207,6 +230,12 @@ def table_markdown() -> str:
                     f"no family record: vLLM's `{short}` module imports "
                     f"{CPU_IMPORT_NEEDS[short]}, which the CPU install lacks, so "
                     "plain vLLM cannot load it on CPU; not tried on a GPU"
+                )
+            elif _gpu_only_package(module):
+                untried = (
+                    f"no family record: vLLM implements it per platform "
+                    f"(`{short}/nvidia`, ...) with no CPU implementation, so "
+                    "plain vLLM cannot serve it on CPU; not tried on a GPU"
                 )
             what = "refused at start-up: " + TRIED.get(arch, untried)
         rows.append(f"| `{arch}` | `{module.rsplit('.', 1)[-1]}` | {what} |")
