@@ -47,6 +47,44 @@ def test_role_processes_2a2f_one_server_per_ffn_rank_and_dp_attention() -> None:
     assert all(_afd(p)["port"] == 30000 for p in procs)
 
 
+@pytest.mark.parametrize(
+    ("a", "f", "cores", "ffn", "attention"),
+    [
+        (1, 1, [0, 1], ["0"], "1"),
+        (2, 2, list(range(8)), ["0,1", "2,3"], "4,5|6,7"),
+        (1, 2, [4, 5, 6, 7], ["4", "5"], "6"),  # one core left over
+    ],
+)
+def test_cpu_bind_split_gives_each_role_process_cores_of_its_own(
+    a: int, f: int, cores: list[int], ffn: list[str], attention: str, monkeypatch
+) -> None:
+    from vllm_afd.deploy.commands import BIND_ENV, split_cores
+
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    spec = DeploymentSpec(
+        model="m", attention_ranks=a, ffn_ranks=f, cpu_workaround=True
+    )
+    procs = role_processes(spec)  # vLLM's own binding: nothing set
+    assert all(BIND_ENV not in p.env for p in procs)
+    split_cores(spec, procs, a, cores)
+    assert [p.env[BIND_ENV] for p in procs] == [*ffn, attention]
+
+
+def test_cpu_bind_split_refuses_what_it_cannot_place(monkeypatch) -> None:
+    from vllm_afd.deploy.commands import BIND_ENV, split_cores
+
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    spec = DeploymentSpec(model="m", ffn_ranks=2, cpu_workaround=True)
+    with pytest.raises(LaunchError, match=r"1 attention rank\(s\) and 2 FFN rank"):
+        split_cores(spec, role_processes(spec), 1, [0, 1])
+    monkeypatch.setenv(BIND_ENV, "0-3")
+    with pytest.raises(LaunchError, match="is set, and --cpu-bind split sets it"):
+        split_cores(spec, role_processes(spec), 1, [0, 1, 2, 3])
+    spec = DeploymentSpec(model="m", cpu_workaround=False, cpu_bind="split")
+    with pytest.raises(LaunchError, match="this deployment runs on CUDA"):
+        role_processes(spec)
+
+
 def test_role_processes_1a1f_adds_cpu_workaround_unless_user_sets_compilation() -> None:
     spec = DeploymentSpec(model="m", cpu_workaround=True)
     procs = role_processes(spec)

@@ -44,6 +44,7 @@ from vllm_afd.cli.bench_workload import (
     timed_request,
 )
 from vllm_afd.cli.client import afd_metrics
+from vllm_afd.cli.launch import add_cpu_bind_flag
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 from vllm_afd.deploy.logs import new_log_dir
@@ -83,6 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--afd-port", type=int, default=DEFAULT_PORT)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    add_cpu_bind_flag(p)
     p.add_argument("--json", help="write the figures as JSON here")
     p.add_argument("--plot-dir", help="write a PNG plot here (needs matplotlib)")
     p.add_argument("-v", "--verbose", action="store_true", help="servers' logs")
@@ -221,6 +223,7 @@ def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:
         port=args.port, afd_port=args.afd_port, connector=connector,
         gate_on_attention=True, vllm_args=list(args.vllm_args),
         ready_timeout_s=args.ready_timeout, ubatches=2 if variant else 1,
+        cpu_bind=getattr(args, "cpu_bind", "vllm"),
     ).with_default_devices()  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from vllm_afd.config import DEFAULT_PORT
 from vllm_afd.deploy import Deployment, DeploymentSpec, dry_run, placement, ready_line
+from vllm_afd.deploy.commands import CPU_BIND_CHOICES
 from vllm_afd.deploy.logs import ConsoleFilter, TextSink, new_log_dir
 from vllm_afd.deploy.pd import (
     AFDPrefill,
@@ -328,6 +329,20 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         help="CUDA_VISIBLE_DEVICES of the FFN ranks, split evenly, rank k the "
         "k-th group, e.g. 1 (one rank) or 2,3 (two ranks)",
     )
+    add_cpu_bind_flag(p)
+
+
+def add_cpu_bind_flag(p: argparse.ArgumentParser) -> None:
+    """``--cpu-bind`` (launch, bench and bench-ttft)."""
+    p.add_argument(
+        "--cpu-bind",
+        choices=CPU_BIND_CHOICES,
+        default="vllm",
+        help="CPU deployments: vllm lets each role process bind its threads "
+        "itself (vLLM's automatic binding puts every role on the same cores); "
+        "split gives each role process an equal share of the launcher's cores, "
+        "an attention server one share per attention rank",
+    )
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -342,6 +357,11 @@ def run_launch(args: argparse.Namespace) -> int:
         spec = DeploymentSpec.from_args(args, list(args.vllm_args))
         if args.plain_decode and not args.prefill:
             raise LaunchError("--plain-decode is the decode side of PD: give --prefill")
+        if args.prefill and spec.cpu_bind != "vllm":
+            raise LaunchError(
+                "--cpu-bind split shares the cores among one deployment's roles; "
+                "with --prefill two deployments would split the same cores"
+            )
         pd = _pd_spec(spec, args) if args.prefill else None
         if args.dry_run:
             text = (

@@ -45,6 +45,7 @@ from vllm_afd.cli.plan_fit import (
 )
 from vllm_afd.cli.plan_model import Profile
 from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
+from vllm_afd.deploy.commands import BIND_ENV, core_shares
 
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -422,22 +423,10 @@ def _plain(spec: DeploymentSpec, tp: int, log: LogWatch) -> PlainServer:
     return server
 
 
-#: vLLM's thread binding of CPU workers
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
 def cpu_bind(workers: int, cores: Sequence[int]) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` an equal,
     consecutive share of ``cores`` (e.g. ``0|1``)."""
-    share = len(cores) // workers
-    if share < 1:
-        raise ValueError(
-            f"{workers} CPU workers need {workers} cores, {len(cores)} here"
-        )
-    return "|".join(
-        ",".join(str(c) for c in cores[i * share : (i + 1) * share])
-        for i in range(workers)
-    )
+    return "|".join(core_shares(workers, cores))
 
 
 @contextlib.contextmanager

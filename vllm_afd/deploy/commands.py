@@ -147,6 +147,74 @@ def child_env(devices: str | None) -> dict[str, str]:
     return env
 
 
+#: ``--cpu-bind split``
+SPLIT = "split"
+CPU_BIND_CHOICES = ("vllm", SPLIT)
+#: vLLM's thread binding of a CPU worker (``auto``: its own choice)
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def core_shares(workers: int, cores: Sequence[int]) -> list[str]:
+    """Each of ``workers`` an equal, consecutive share of ``cores``, as
+    ``VLLM_CPU_OMP_THREADS_BIND`` lists them (``0,1``).
+
+    Raises:
+        ValueError: fewer cores than workers.
+    """
+    share = len(cores) // workers
+    if share < 1:
+        raise ValueError(
+            f"{workers} CPU workers need {workers} cores, {len(cores)} here"
+        )
+    return [
+        ",".join(str(c) for c in cores[i * share : (i + 1) * share])
+        for i in range(workers)
+    ]
+
+
+def split_cores(
+    spec: DeploymentSpec,
+    procs: list[RoleProcess],
+    attention_ranks: int,
+    cores: Sequence[int] | None = None,
+) -> None:
+    """``--cpu-bind split``: give each role process of one node consecutive
+    cores of its own (of ``cores``, default the launcher's CPU affinity), in
+    equal shares: an FFN rank one share, the attention server one per
+    attention rank it runs (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, ranks
+    apart by ``|``). The last process is the attention server when
+    ``attention_ranks`` > 0.
+
+    Raises:
+        LaunchError: a CUDA deployment, ``VLLM_CPU_OMP_THREADS_BIND`` set
+            already, or fewer cores than role processes need.
+    """
+    if not on_cpu(spec):
+        raise LaunchError(
+            "--cpu-bind split places CPU role processes; this deployment runs "
+            "on CUDA devices (use --attention-devices / --ffn-devices)"
+        )
+    if os.environ.get(BIND_ENV, "auto") != "auto":
+        raise LaunchError(
+            f"{BIND_ENV}={os.environ[BIND_ENV]} is set, and --cpu-bind split "
+            "sets it for each role process: unset one of them"
+        )
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    ffn = len(procs) - (1 if attention_ranks else 0)
+    workers = ffn + attention_ranks
+    if len(cores) < workers:
+        raise LaunchError(
+            f"--cpu-bind split gives each role process cores of its own: "
+            f"{attention_ranks} attention rank(s) and {ffn} FFN rank(s) here need "
+            f"{workers} cores, and the launcher may use {len(cores)}"
+        )
+    shares = core_shares(workers, cores)
+    for i, proc in enumerate(procs[:ffn]):
+        proc.env[BIND_ENV] = shares[i]
+    if attention_ranks:
+        procs[-1].env[BIND_ENV] = "|".join(shares[ffn:])
+
+
 def role_processes(
     spec: DeploymentSpec,
     node: int | None = None,
@@ -202,6 +270,8 @@ def role_processes(
         env = {**child_env(ffn_devices[k]), **node_vars}
         procs.append(RoleProcess(name, argv, ffn_port + k, env, host))
     if not place.attention_ranks_on(node):
+        if spec.cpu_bind == SPLIT:
+            split_cores(spec, procs, 0)
         return procs
     afd = spec.afd_config("attention")
     extra = ["--additional-config", json.dumps({"afd": afd})]
@@ -214,11 +284,14 @@ def role_processes(
     procs.append(
         RoleProcess("attention", argv, spec.port, env, host, headless=headless)
     )
+    if spec.cpu_bind == SPLIT:
+        split_cores(spec, procs, len(place.attention_ranks_on(node)))
     return procs
 
 
 SHOWN_VARIABLES = (
     "CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+    BIND_ENV,
 )  # fmt: skip
 
 

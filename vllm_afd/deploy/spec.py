@@ -48,6 +48,10 @@ class DeploymentSpec:
     attention_devices: str | None = None
     ffn_devices: str | None = None
     cpu_workaround: bool | None = None  # None: when no CUDA device is visible
+    # CPU: "vllm" lets vLLM bind each role process's threads itself (every
+    # role on the same cores); "split" gives each role process cores of its
+    # own (``commands.split_cores``)
+    cpu_bind: str = "vllm"
     # across hosts (``vllm_afd.deploy.placement``); None: everything on this one
     hosts: tuple[str, ...] | None = None
     node_rank: int = 0
@@ -105,6 +109,7 @@ class DeploymentSpec:
             connector=args.connector,
             gate_on_attention=args.gate_on_attention,
             ubatches=getattr(args, "ubatches", 1),
+            cpu_bind=getattr(args, "cpu_bind", cls.cpu_bind),
             connector_extra_config=args.connector_extra_config,
             vllm_args=vllm_args,
             attention_args=getattr(args, "attention_args", []),
