@@ -23,6 +23,7 @@ from vllm.model_executor.models.registry import (
 )
 
 from vllm_afd.compat.engine_config import afd_model_classes
+from vllm_afd.models.registry_table import missing_package
 
 
 def _source(model: _LazyRegisteredModel) -> Path | None:
@@ -46,11 +47,12 @@ def warm(model: _LazyRegisteredModel) -> bool:
     try:
         cls = model.load_model_cls()
     except ModuleNotFoundError as e:
-        if e.name is None or e.name.split(".")[0] == "vllm":
+        lacks = missing_package(e)
+        if lacks is None:
             raise
         # a module this host cannot import (Qwen3.5's needs torchvision):
         # plain vLLM cannot serve it here either
-        print(f"{model.class_name}: not inspected, needs {e.name!r}")
+        print(f"{model.class_name}: not inspected, needs {lacks!r}")
         return False
     info = _ModelInfo.from_model_cls(cls)
     model._save_modelinfo_to_cache(info, digest)

@@ -113,3 +113,15 @@ def test_the_modules_said_to_need_a_missing_package_fail_to_import_here():
     assert set(failing) == set(CPU_IMPORT_NEEDS)
     for short, message in failing.items():
         assert CPU_IMPORT_NEEDS[short].strip("`") in message, (short, message)
+
+
+def test_only_a_package_outside_vllm_counts_as_missing_on_this_host():
+    from vllm_afd.models.registry_table import missing_package
+
+    assert missing_package(ModuleNotFoundError(name="torchvision")) == "torchvision"
+    assert missing_package(ModuleNotFoundError(name="torchvision.ops")) == (
+        "torchvision.ops"
+    )
+    # vLLM itself lacks the module: it moved, which a drift check must report
+    assert missing_package(ModuleNotFoundError(name="vllm.models.gone")) is None
+    assert missing_package(ModuleNotFoundError()) is None

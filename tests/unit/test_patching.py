@@ -66,12 +66,15 @@ NOT_IMPORTABLE_HERE: dict[str, str] = {}
 def _importable_here(module: str) -> bool:
     import importlib
 
+    from vllm_afd.models.registry_table import missing_package
+
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name is None or e.name.split(".")[0] == "vllm":
+        lacks = missing_package(e)
+        if lacks is None:
             raise  # vLLM itself moved: the drift check below must say so
-        NOT_IMPORTABLE_HERE[module] = e.name
+        NOT_IMPORTABLE_HERE[module] = lacks
         return False
     return True
 

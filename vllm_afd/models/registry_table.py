@@ -159,6 +159,15 @@ def _source(module: str) -> str:
     return "\n".join(f.read_text() for f in files)
 
 
+def missing_package(error: ModuleNotFoundError) -> str | None:
+    """The package outside vLLM that a failed import of a vLLM model module
+    lacks (torchvision for Qwen3.5's), or None when vLLM itself lacks the
+    module (vLLM moved: a caller must not take that for a host limit)."""
+    if error.name is None or error.name.split(".")[0] == "vllm":
+        return None
+    return error.name
+
+
 def _gpu_only_package(module: str) -> bool:
     """Whether a vLLM model package holds an implementation per GPU platform
     (an ``nvidia`` subpackage) and none for CPU (no ``cpu`` subpackage)."""
