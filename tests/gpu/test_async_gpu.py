@@ -80,3 +80,18 @@ def test_async_refuses_cuda_graphs_on_cuda() -> None:
         check_async_supported(None, parallel, graphs)
     eager = CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE)
     check_async_supported(None, parallel, eager)
+
+
+def test_async_refuses_stages_on_cuda() -> None:
+    """Request-boundary stages run on the CPU attention role only so far."""
+    from types import SimpleNamespace
+
+    from vllm_afd.compat.engine_config import check_ubatches_supported
+    from vllm_afd.config import parse_afd_config
+    from vllm_afd.errors import AFDConfigError
+
+    afd = parse_afd_config(
+        {"role": "attention", "connector": "async", "num_ubatches": 2}
+    )
+    with pytest.raises(AFDConfigError, match="on CPU only so far"):
+        check_ubatches_supported(afd, SimpleNamespace(tensor_parallel_size=1))

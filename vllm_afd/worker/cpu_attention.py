@@ -29,6 +29,7 @@ from vllm.forward_context import (
     override_forward_context,
 )
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -118,6 +119,23 @@ class AFDCPUAttentionModelRunner(AttentionSideMixin, CPUModelRunner):
         super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
         afd = self.model.afd
         if not (afd.is_async and afd.num_ubatches > 1):
+            return
+        recurrent = [
+            type(g.kv_cache_spec).__name__
+            for g in kv_cache_config.kv_cache_groups
+            if not isinstance(g.kv_cache_spec, AttentionSpec)
+        ]
+        if recurrent:
+            # a recurrent layer's state is per request, but its kernels have
+            # not been checked on a split batch: such a model runs whole
+            self._afd_baton = None
+            if self.afd_exchange is not None:
+                self.afd_exchange.switch = None
+            logger.warning(
+                "AFD async: this model keeps recurrent state (%s): its steps "
+                "run whole, not in stages",
+                ", ".join(sorted(set(recurrent))),
+            )
             return
         for gid, groups in enumerate(self.attn_groups):
             for group in groups:
