@@ -101,15 +101,6 @@ class AFDCPUAttentionModelRunner(AttentionSideMixin, CPUModelRunner):
         self._afd_baton = StageBaton(self._afd_set_stage_context)
         assert self.afd_exchange is not None  # afd_start installed it
         self.afd_exchange.switch = self._afd_baton
-        parallel = self.parallel_config
-        logger.info(
-            "AFD async: steps of 2+ requests and at least %d tokens (%d of "
-            "decodes only) run as %d stages cut at a request boundary "
-            "(--dbo-prefill-token-threshold, --dbo-decode-token-threshold)",
-            parallel.dbo_prefill_token_threshold,
-            parallel.dbo_decode_token_threshold,
-            afd.num_ubatches,
-        )
 
     def initialize_metadata_builders(
         self, kv_cache_config: Any, kernel_block_sizes: list[int]
@@ -145,6 +136,15 @@ class AFDCPUAttentionModelRunner(AttentionSideMixin, CPUModelRunner):
                     kernel_block_sizes[gid] if gid < len(kernel_block_sizes) else None,
                     num_metadata_builders=afd.num_ubatches,
                 )
+        parallel = self.parallel_config
+        logger.info(
+            "AFD async: steps of 2+ requests and at least %d tokens (%d of "
+            "decodes only) run as %d stages cut at a request boundary "
+            "(--dbo-prefill-token-threshold, --dbo-decode-token-threshold)",
+            parallel.dbo_prefill_token_threshold,
+            parallel.dbo_decode_token_threshold,
+            afd.num_ubatches,
+        )
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         self._afd_in_step = True
