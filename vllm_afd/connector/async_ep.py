@@ -335,7 +335,7 @@ class AsyncAttention(AsyncEndpoint):
         routing: Routing,
         parts: int,
         shared_experts: bool,
-        timeout_s: float | None = None,
+        timeout_s: float,
     ) -> Pending:
         """The first half of :meth:`exchange`: send the work items of
         ``hidden``'s rows and return at once. Several may be in flight (one
@@ -344,8 +344,7 @@ class AsyncAttention(AsyncEndpoint):
         replies to one attention rank's items in that order).
 
         Raises:
-            AFDPeerError: an FFN rank is gone or read nothing in ``timeout_s``
-                (default: the endpoint's).
+            AFDPeerError: an FFN rank is gone or read nothing in ``timeout_s``.
         """
         if self._failure is not None:
             raise AFDConnectorError(
@@ -358,9 +357,7 @@ class AsyncAttention(AsyncEndpoint):
             )
         self._hold()
         try:
-            sent = self._dispatch(
-                layer, hidden, routing, shared_experts, timeout_s or self.timeout_s
-            )
+            sent = self._dispatch(layer, hidden, routing, shared_experts, timeout_s)
         except BaseException as e:
             self._let_go()
             if isinstance(e, AFDConnectorError):

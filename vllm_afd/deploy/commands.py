@@ -161,7 +161,7 @@ def core_shares(workers: int, cores: Sequence[int]) -> list[str]:
     Raises:
         ValueError: fewer cores than workers.
     """
-    share = len(cores) // workers
+    share = len(cores) // workers if workers > 0 else 0
     if share < 1:
         raise ValueError(
             f"{workers} CPU workers need {workers} cores, {len(cores)} here"
@@ -202,13 +202,14 @@ def split_cores(
     cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
     ffn = len(procs) - (1 if attention_ranks else 0)
     workers = ffn + attention_ranks
-    if len(cores) < workers:
+    try:
+        shares = core_shares(workers, cores)
+    except ValueError:
         raise LaunchError(
             f"--cpu-bind split gives each role process cores of its own: "
             f"{attention_ranks} attention rank(s) and {ffn} FFN rank(s) here need "
             f"{workers} cores, and the launcher may use {len(cores)}"
-        )
-    shares = core_shares(workers, cores)
+        ) from None
     for i, proc in enumerate(procs[:ffn]):
         proc.env[BIND_ENV] = shares[i]
     if attention_ranks:
@@ -269,23 +270,23 @@ def role_processes(
         )
         env = {**child_env(ffn_devices[k]), **node_vars}
         procs.append(RoleProcess(name, argv, ffn_port + k, env, host))
-    if not place.attention_ranks_on(node):
-        if spec.cpu_bind == SPLIT:
-            split_cores(spec, procs, 0)
-        return procs
-    afd = spec.afd_config("attention")
-    extra = ["--additional-config", json.dumps({"afd": afd})]
-    extra += place.attention_flags(node, spec.dp_rpc_port or spec.afd_port + 2)
-    extra += budget.attention_args
-    host = api_host_of(spec, spec.attention_args, node)
-    argv = serve_argv(spec.model, spec.port, extra + spec.attention_args + common, host)
-    env = {**child_env(attention_devices), **node_vars}
-    headless = node != place.attention_leader
-    procs.append(
-        RoleProcess("attention", argv, spec.port, env, host, headless=headless)
-    )
+    attention_ranks = len(place.attention_ranks_on(node))
+    if attention_ranks:
+        afd = spec.afd_config("attention")
+        extra = ["--additional-config", json.dumps({"afd": afd})]
+        extra += place.attention_flags(node, spec.dp_rpc_port or spec.afd_port + 2)
+        extra += budget.attention_args
+        host = api_host_of(spec, spec.attention_args, node)
+        argv = serve_argv(
+            spec.model, spec.port, extra + spec.attention_args + common, host
+        )
+        env = {**child_env(attention_devices), **node_vars}
+        headless = node != place.attention_leader
+        procs.append(
+            RoleProcess("attention", argv, spec.port, env, host, headless=headless)
+        )
     if spec.cpu_bind == SPLIT:
-        split_cores(spec, procs, len(place.attention_ranks_on(node)))
+        split_cores(spec, procs, attention_ranks)
     return procs
 
 
