@@ -13,6 +13,7 @@ naming the supported architectures; where it was tried, the reason is given.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import re
 from pathlib import Path
@@ -142,13 +143,18 @@ def _imports(module: str) -> str:
     return rf"(from \.|models\.){name} import"
 
 
+def _spec(module: str) -> importlib.machinery.ModuleSpec | None:
+    """Where a vLLM model module is, without importing it (None: nowhere)."""
+    try:
+        return importlib.util.find_spec(vllm_module_path(module))
+    except (ImportError, ValueError):
+        return None
+
+
 def _source(module: str) -> str:
     """The source of a vLLM model module; of every file of a model package
     (``vllm.models.deepseek_v4`` keeps its MoE layers in submodules)."""
-    try:
-        spec = importlib.util.find_spec(vllm_module_path(module))
-    except (ImportError, ValueError):
-        return ""
+    spec = _spec(module)
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
         return ""
     files = [Path(spec.origin)]
@@ -171,10 +177,7 @@ def missing_package(error: ModuleNotFoundError) -> str | None:
 def _gpu_only_package(module: str) -> bool:
     """Whether a vLLM model package holds an implementation per GPU platform
     (an ``nvidia`` subpackage) and none for CPU (no ``cpu`` subpackage)."""
-    try:
-        spec = importlib.util.find_spec(vllm_module_path(module))
-    except (ImportError, ValueError):
-        return False
+    spec = _spec(module)
     if spec is None or not spec.submodule_search_locations:
         return False
     dirs = [Path(d) for d in spec.submodule_search_locations]
