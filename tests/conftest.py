@@ -134,6 +134,13 @@ RESULT_TITLES = {
     "plan": "vllm-afd plan (predicted vs measured)",
 }
 
+#: seconds of setup, call and teardown by test module (this process's tests)
+_SECONDS: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
 
 def pytest_terminal_summary(terminalreporter):
     for name, title in RESULT_TITLES.items():
@@ -164,6 +171,10 @@ def pytest_terminal_summary(terminalreporter):
         )
     for module, n in modules.most_common():
         terminalreporter.write_line(f"  {n:3d}  {module}")
+    if _SECONDS:
+        terminalreporter.write_line("seconds by test file (this process):")
+        for path, seconds in _SECONDS.most_common():
+            terminalreporter.write_line(f"  {seconds:6.0f}  {path}")
 
 
 def pytest_unconfigure(config):
