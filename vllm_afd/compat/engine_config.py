@@ -19,15 +19,12 @@ the wrapper calls the original and returns; with it, the wrapper
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
-import shutil
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 from vllm_afd import envs
-from vllm_afd.compat import independent_ranks
+from vllm_afd.compat import independent_ranks, metrics_dir
 from vllm_afd.compat.patching import Patch, apply_patch
 from vllm_afd.compat.workers import (
     CPU_DEFAULT_WORKER,
@@ -155,9 +152,7 @@ def _enable_worker_metrics() -> None:
     from prometheus_client import values
 
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        path = tempfile.mkdtemp(prefix="vllm-afd-metrics-")
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.make()
     values.ValueClass = values.get_value_class()
 
 
