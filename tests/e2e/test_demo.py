@@ -1,8 +1,8 @@
 """The README's main job: ``vllm-afd demo`` on a fresh tiny model.
 
-It writes the model, serves it with AFD 1A1F, answers completion, chat and
-streaming requests, serves it again with plain vLLM, and exits 0 only when
-every answer is identical. Run as a user runs it: the console script, in its
+It writes the model, serves it with AFD 1A1F and plain vLLM side by side,
+answers completion, chat and streaming requests on both, and exits 0 only
+when every answer is identical. Run as a user runs it: the console script, in its
 own process group (the servers are its children), with a time limit.
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import free_port_pair
+from harness import free_port_pair, free_run
 
 pytestmark = [
     pytest.mark.e2e,
@@ -29,9 +29,8 @@ DEMO_TIMEOUT_S = 900
 
 def test_demo_answers_requests_as_plain_vllm_does(tmp_path: Path) -> None:
     afd_port = free_port_pair()
-    port = free_port_pair()
-    while port in (afd_port - 1, afd_port, afd_port + 1):
-        port = free_port_pair()
+    # the API ports: attention, FFN (+1) and plain vLLM (+2)
+    port = free_run(3, avoid={afd_port, afd_port + 1})
     model = tmp_path / "tiny"
     cmd = [
         str(Path(sys.executable).with_name("vllm-afd")),
@@ -56,6 +55,8 @@ def test_demo_answers_requests_as_plain_vllm_does(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"vllm-afd demo exited {proc.returncode}:\n{out}"
     assert f"writing tiny deepseek_v2 model to {model}" in out
     assert f"AFD ready: http://127.0.0.1:{port}/v1" in out
+    # plain vLLM was started beside the deployment, on the port after the FFN's
+    assert f"plain vLLM ready: http://127.0.0.1:{port + 2}/v1" in out
     assert "identical: yes" in out
     assert "chat      -> " in out and "streaming -> " in out
     steps = re.search(r"^  steps +(\d+)$", out, re.MULTILINE)

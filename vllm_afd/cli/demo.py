@@ -2,9 +2,9 @@
 
 Makes a tiny DeepSeek model if missing, launches it 1A1F with AFD, sends
 prompts through the OpenAI API (completions, chat, streaming), reads the AFD
-counters from ``/metrics``, stops it, serves the same model with plain vLLM
-and the same settings, sends the same prompts, and prints both outputs,
-``identical: yes/no`` and the per-step AFD figures. Exits 0 only when the
+counters from ``/metrics`` and stops it; plain vLLM on the same model and
+settings, started beside the deployment, answers the same prompts. Prints
+both outputs, ``identical: yes/no`` and the per-step AFD figures. Exits 0 only when the
 outputs are identical.
 """
 
@@ -28,7 +28,7 @@ DEMO_VLLM_ARGS = [
     # A KV cache the tiny model fits in many times over; without it vLLM
     # sizes the cache by --gpu-memory-utilization (on CPU: of the RAM).
     "--kv-cache-memory-bytes",
-    "1G",
+    "256M",
     "--max-model-len",
     "512",
     "--max-num-seqs",
@@ -73,6 +73,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--afd-port", type=int, default=29650)
+    p.add_argument(
+        "--plain-port",
+        type=int,
+        default=None,
+        help="plain vLLM's API port (default --port + 2: the FFN role has --port + 1)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     add_log_flags(p)
     p.set_defaults(func=run_demo)
@@ -104,14 +110,26 @@ def run_demo(args: argparse.Namespace) -> int:
         # families served with the gate on attention only (tiny_hf says why)
         gate_on_attention=args.arch in GATE_ON_ATTENTION_ARCHS,
     )
-    print("starting AFD 1A1F (attention + FFN) ...", flush=True)
-    with Deployment(spec, log=log, log_dir=log_dir) as afd:
-        print(f"AFD ready: {afd.api_url}/v1", flush=True)
-        afd_answers = collect_answers(afd.api_url, args.max_tokens)
-        metrics = _published_metrics(afd.api_url)
-    print("starting plain vLLM on the same model and settings ...", flush=True)
-    with PlainServer(spec, log=log, log_dir=log_dir) as plain:
+    plain_port = args.plain_port or args.port + 2
+    plain = PlainServer(spec, log=log, port=plain_port, log_dir=log_dir)
+    print(
+        "starting AFD 1A1F (attention + FFN), and plain vLLM on the same model "
+        f"and settings beside it (port {plain_port}) ...",
+        flush=True,
+    )
+    # Both start at once: most of a start is one core importing vLLM, so
+    # three servers start in little more than the time of two.
+    plain.begin()
+    try:
+        with Deployment(spec, log=log, log_dir=log_dir) as afd:
+            print(f"AFD ready: {afd.api_url}/v1", flush=True)
+            afd_answers = collect_answers(afd.api_url, args.max_tokens)
+            metrics = _published_metrics(afd.api_url)
+        plain.wait_ready()
+        print(f"plain vLLM ready: {plain.url}/v1", flush=True)
         plain_answers = collect_answers(plain.url, args.max_tokens)
+    finally:
+        plain.stop()
 
     _print_answers("AFD 1A1F", afd_answers)
     _print_answers("plain vLLM", plain_answers)

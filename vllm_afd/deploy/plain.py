@@ -51,7 +51,20 @@ class PlainServer:
         return self.process.url
 
     def start(self, ready_timeout: float = 600.0) -> None:
+        self.begin()
+        self.wait_ready(ready_timeout)
+
+    def begin(self) -> None:
+        """Start the server without waiting for it (:meth:`wait_ready`)."""
         self.process.start(self.log)
+
+    def wait_ready(self, ready_timeout: float = 600.0) -> None:
+        """Wait until the server begun answers ``/health``.
+
+        Raises:
+            LaunchError: it exited (naming its cause), or was not healthy
+                within ``ready_timeout`` seconds (then it is stopped).
+        """
         deadline = time.monotonic() + ready_timeout
         while not self.process.healthy():
             code = self.process.exit_code()

@@ -13,6 +13,7 @@ naming the supported architectures; where it was tried, the reason is given.
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
 import re
@@ -186,9 +187,11 @@ def _gpu_only_package(module: str) -> bool:
     )
 
 
-def moe_architectures() -> list[tuple[str, str]]:
+@functools.cache
+def moe_architectures() -> tuple[tuple[str, str], ...]:
     """(architecture, vLLM module) of every MoE architecture in vLLM's text
-    generation and multimodal registries, sorted by architecture."""
+    generation and multimodal registries, sorted by architecture (read once
+    per process: the installed vLLM does not change under it)."""
     from vllm.model_executor.models import registry
 
     archs: dict[str, str] = {}
@@ -212,7 +215,7 @@ def moe_architectures() -> list[tuple[str, str]]:
         if not grown:
             break
         moe |= grown
-    return sorted((a, m) for a, m in archs.items() if m in moe)
+    return tuple(sorted((a, m) for a, m in archs.items() if m in moe))
 
 
 def _vllm_class(arch: str) -> str:
