@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,26 +84,53 @@ def quiet_host():
     harness.POOL.close()
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
-    """Tiny DeepSeek-V2 and -V3 checkpoints made locally, shared by the session."""
+#: where the session's tiny checkpoints are kept between sessions
+MODEL_STORE_VAR = "AFD_TEST_MODEL_STORE"
+
+
+def stored_tiny_model(arch: str, num_layers: int) -> Path:
+    """A tiny checkpoint of ``arch`` (``write_tiny_checkpoint``, which writes
+    the same bytes for the same arguments), kept between sessions in
+    ``$AFD_TEST_MODEL_STORE`` (default ``~/.cache/vllm-afd/test-models``)
+    under a name that changes with the writer's code and transformers'
+    version. A stable path lets vLLM reuse what it compiled for the model in
+    an earlier session: its compile cache is keyed by the model's path."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import transformers
+
+    import vllm_afd.models as models
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tiny")
-    return {
-        arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=4)
-        for arch in ("deepseek_v2", "deepseek_v3")
-    }
+    digest = hashlib.sha256(f"{transformers.__version__}".encode())
+    for name in sorted(Path(models.__file__).parent.glob("tiny_*.py")):
+        digest.update(name.read_bytes())
+    default = Path.home() / ".cache" / "vllm-afd" / "test-models"
+    store = Path(os.environ.get(MODEL_STORE_VAR, default))
+    path = store / f"{arch}-{num_layers}-{digest.hexdigest()[:16]}"
+    if not (path / "config.json").exists():
+        store.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=store))
+        write_tiny_checkpoint(staging / "model", arch=arch, num_layers=num_layers)
+        # whole, or not at all; OSError: another process stored it first
+        with contextlib.suppress(OSError):
+            (staging / "model").rename(path)
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
 
 
 @pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
+def tiny_models():
+    """Tiny DeepSeek-V2 and -V3 checkpoints made locally, shared by the session."""
+    return {arch: stored_tiny_model(arch, 4) for arch in ("deepseek_v2", "deepseek_v3")}
+
+
+@pytest.fixture(scope="session")
+def family_models():
     """A tiny checkpoint of every family ``vllm-afd tiny-model`` writes (3
     layers: layer 0 dense where the family has dense layers)."""
-    from vllm_afd.models.tiny_checkpoint import TINY_ARCHS, write_tiny_checkpoint
+    from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
 
-    root = tmp_path_factory.mktemp("families")
-    return {
-        arch: write_tiny_checkpoint(root / arch, arch=arch, num_layers=3)
-        for arch in TINY_ARCHS
-    }
+    return {arch: stored_tiny_model(arch, 3) for arch in TINY_ARCHS}
