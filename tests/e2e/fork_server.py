@@ -123,7 +123,7 @@ def _child(output: int, request: dict, inherited: list[int]) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = ["-m", *request["argv"]]
-        if os.environ.get("AFD_TEST_SPAWN_ENGINES") != "1":
+        if os.environ.get("AFD_TEST_SPAWN_ENGINES") != "1" and BARE not in os.environ:
             _fork_engine_cores()
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
@@ -138,8 +138,16 @@ def _child(output: int, request: dict, inherited: list[int]) -> None:
         os._exit(code)
 
 
+#: set (to any value) in a fork server's environment: it imports nothing
+#: and its children run as they are (the suite's tests of the fork servers
+#: themselves, whose probes need no vLLM); keyed like any other variable, so
+#: such a server never starts a role
+BARE = "FORK_SERVER_BARE"
+
+
 def serve(path: str) -> None:
-    _preload()
+    if BARE not in os.environ:
+        _preload()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

@@ -65,12 +65,13 @@ def test_a_fork_server_is_not_stopped_while_a_child_of_it_runs(monkeypatch):
     child still runs (the child's exit code comes from its fork server)."""
     monkeypatch.setattr(forks, "KEEP", 1)
     servers = forks.ForkServers()
+    bare = {**os.environ, "FORK_SERVER_BARE": "1"}  # no vLLM: the probe needs none
     try:
         waiting = servers.fork(
-            [sys.executable, "-m", "fork_probe", "0", "--wait"], dict(os.environ)
+            [sys.executable, "-m", "fork_probe", "0", "--wait"], bare
         )
         assert _seen(waiting)["session_leader"]
-        other = {**os.environ, "FORK_PROBE_SERVER": "another"}  # another server
+        other = {**bare, "FORK_PROBE_SERVER": "another"}  # another server
         done = servers.fork([sys.executable, "-m", "fork_probe", "5"], other)
         assert done.wait(60) == 5 and len(servers) == 2
         os.killpg(waiting.pid, signal.SIGKILL)
