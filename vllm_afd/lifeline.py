@@ -78,7 +78,7 @@ def wait_for_exit(pid: int) -> None:
     except ProcessLookupError:
         return
     except (AttributeError, OSError):  # no pidfd: poll
-        while _alive(pid):
+        while alive(pid):
             time.sleep(POLL_S)
         return
     try:
@@ -87,7 +87,8 @@ def wait_for_exit(pid: int) -> None:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -21,6 +21,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from vllm_afd.lifeline import alive
+
 PREFIX = "vllm-afd-metrics-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-")
 
@@ -33,16 +35,6 @@ def _pid_namespace() -> str:
         return "0"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def remove_stale(root: Path | None = None) -> list[Path]:
     """Remove the metrics directories under ``root`` (the temp directory) of
     servers of this pid namespace that are gone; the paths removed."""
@@ -51,7 +43,7 @@ def remove_stale(root: Path | None = None) -> list[Path]:
     with contextlib.suppress(OSError):
         for path in root.glob(f"{PREFIX}*"):
             match = _NAME.match(path.name)
-            if match is None or match[1] != namespace or _alive(int(match[2])):
+            if match is None or match[1] != namespace or alive(int(match[2])):
                 continue
             if path.is_dir() and path.stat().st_uid == os.getuid():
                 shutil.rmtree(path, ignore_errors=True)
