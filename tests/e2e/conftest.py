@@ -109,10 +109,11 @@ def stored_tiny_model(arch: str, num_layers: int) -> Path:
         digest.update(name.read_bytes())
     default = Path.home() / ".cache" / "vllm-afd" / "test-models"
     store = Path(os.environ.get(MODEL_STORE_VAR, default))
-    path = store / f"{arch}-{num_layers}-{digest.hexdigest()[:16]}"
+    # named as the architecture (the tests take a family from the name)
+    path = store / f"{num_layers}-layers-{digest.hexdigest()[:16]}" / arch
     if not (path / "config.json").exists():
-        store.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=store))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=path.parent))
         write_tiny_checkpoint(staging / "model", arch=arch, num_layers=num_layers)
         # whole, or not at all; OSError: another process stored it first
         with contextlib.suppress(OSError):
