@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -88,29 +89,38 @@ def quiet_host():
 MODEL_STORE_VAR = "AFD_TEST_MODEL_STORE"
 
 
-def stored_tiny_model(arch: str, num_layers: int) -> Path:
-    """A tiny checkpoint of ``arch`` (``write_tiny_checkpoint``, which writes
-    the same bytes for the same arguments), kept between sessions in
-    ``$AFD_TEST_MODEL_STORE`` (default ``~/.cache/vllm-afd/test-models``)
-    under a name that changes with the writer's code and transformers'
-    version. A stable path lets vLLM reuse what it compiled for the model in
-    an earlier session: its compile cache is keyed by the model's path."""
+@functools.cache
+def _model_store() -> tuple[Path, str]:
+    """``$AFD_TEST_MODEL_STORE`` (default ``~/.cache/vllm-afd/test-models``)
+    and a key of the checkpoint writer's code and transformers' version."""
     import hashlib
-    import shutil
-    import tempfile
 
     import transformers
 
     import vllm_afd.models as models
-    from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
     digest = hashlib.sha256(f"{transformers.__version__}".encode())
     for name in sorted(Path(models.__file__).parent.glob("tiny_*.py")):
         digest.update(name.read_bytes())
     default = Path.home() / ".cache" / "vllm-afd" / "test-models"
-    store = Path(os.environ.get(MODEL_STORE_VAR, default))
+    return Path(os.environ.get(MODEL_STORE_VAR, default)), digest.hexdigest()[:16]
+
+
+def stored_tiny_model(arch: str, num_layers: int) -> Path:
+    """A tiny checkpoint of ``arch`` (``write_tiny_checkpoint``, which writes
+    the same bytes for the same arguments), kept between sessions in the
+    model store (:func:`_model_store`) under a name that changes with the
+    writer's code and transformers' version. A stable path lets vLLM reuse
+    what it compiled for the model in an earlier session: its compile cache
+    is keyed by the model's path."""
+    import shutil
+    import tempfile
+
+    from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
+
+    store, key = _model_store()
     # named as the architecture (the tests take a family from the name)
-    path = store / f"{num_layers}-layers-{digest.hexdigest()[:16]}" / arch
+    path = store / f"{num_layers}-layers-{key}" / arch
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=path.parent))

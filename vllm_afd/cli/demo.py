@@ -4,8 +4,8 @@ Makes a tiny DeepSeek model if missing, launches it 1A1F with AFD, sends
 prompts through the OpenAI API (completions, chat, streaming), reads the AFD
 counters from ``/metrics`` and stops it; plain vLLM on the same model and
 settings, started beside the deployment, answers the same prompts. Prints
-both outputs, ``identical: yes/no`` and the per-step AFD figures. Exits 0 only when the
-outputs are identical.
+both outputs, ``identical: yes/no`` and the per-step AFD figures. Exits 0
+only when the outputs are identical.
 """
 
 from __future__ import annotations
