@@ -60,8 +60,12 @@ def test_plan_measures_predicts_and_checks(tiny_models, tmp_path):
     for p in data["points"]["afd"]:  # the counter windows hold decode steps
         assert p["ffn_tokens"] == pytest.approx(p["batch"], rel=0.25), p
     assert {k: len(v) for k, v in data["points"].items()} == {
-        "afd": 2, "plain": 2, "shared2": 2,
+        "afd": 2, "plain": 4, "shared2": 2,
     }  # fmt: skip
+    # plain vLLM also where 2A1F holds its 2 x b sequences on this host
+    assert [p["batch"] for p in data["points"]["plain"]] == [1, 2, 4, 8]
+    assert len(data["plan"]["equal_batch"]) == len(data["plan"]["rows"])
+    assert "plain vLLM holding as many sequences" in data["plan"]["reason"]
     baselines = {b["name"] for b in data["plan"]["baselines"].values()}
     assert baselines == {"colocated"}
     names = {r["name"] for r in data["plan"]["rows"]}

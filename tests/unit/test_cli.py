@@ -152,6 +152,20 @@ def test_main_rejects_vllm_args_for_commands_without_them() -> None:
         cli.main(["tiny-model", "out", "--", "--dtype", "float32"])
 
 
+def test_tiny_model_refuses_a_bad_expert_count_in_one_line(tmp_path, capsys) -> None:
+    out = tmp_path / "m"
+    assert (
+        cli.main(["tiny-model", str(out), "--arch", "qwen3_moe", "--experts", "12"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "vllm-afd tiny-model: num_experts=12 must be a positive multiple of "
+        "qwen3_moe's 8"
+    )
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_deployment_spec_from_launch_and_bench_command_lines() -> None:
     parser = cli.build_parser()
     launch = parser.parse_args(

@@ -20,6 +20,11 @@ from vllm_afd.deploy.logs import (
 #: (shortened): the root cause first, then the generic wrappers
 VLLM_FAILURE = [
     "(EngineCore pid=812) INFO 12-03 10:00:01 [core.py:99] Initializing",
+    # a handled exception vLLM logs and goes on from (an optional kernel
+    # package that did not import, as vLLM 0.32.0 logged it on an H100)
+    "(EngineCore pid=812) WARNING 12-06 07:24:22 [import_utils.py:417] OSError: "
+    "/site/vllm/third_party/deep_gemm/_C_extension.abi3.so: undefined symbol: "
+    "torch_exception_get_what_without_backtrace",
     "(Worker pid=840) ERROR 12-03 10:00:02 [multiproc_executor.py:1] WorkerProc "
     "failed to start.",
     "(Worker pid=840) Traceback (most recent call last):",
@@ -35,7 +40,7 @@ VLLM_FAILURE = [
 
 def test_the_first_exception_line_is_the_cause_not_vllms_wrappers():
     causes = [exception_of(line) for line in VLLM_FAILURE if is_exception_line(line)]
-    assert causes == [VLLM_FAILURE[4][VLLM_FAILURE[4].index("ValueError") :]]
+    assert causes == [VLLM_FAILURE[5][VLLM_FAILURE[5].index("ValueError") :]]
 
 
 @pytest.mark.parametrize(
@@ -73,6 +78,11 @@ def test_the_first_exception_line_is_the_cause_not_vllms_wrappers():
             True,
         ),  # its last line shown
         ("torch.OutOfMemoryError: CUDA out of memory", True),
+        (
+            "(EngineCore pid=5) WARNING 12-06 07:24:22 [import_utils.py:417] "
+            "OSError: deep_gemm/_C_extension.abi3.so: undefined symbol",
+            False,
+        ),  # a handled exception, logged as a warning
         ('INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK', False),
     ],
 )

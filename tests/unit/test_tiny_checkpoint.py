@@ -262,3 +262,37 @@ def test_mxfp4_experts_are_written_in_the_released_layout(tmp_path: Path) -> Non
     assert (values - drawn).abs().max() <= drawn.abs().max() / 4
     with pytest.raises(ValueError, match="gpt_oss"):
         write_tiny_checkpoint(tmp_path / "q", arch="qwen3_moe", mxfp4_experts=True)
+
+
+@pytest.mark.parametrize(("arch", "experts"), [("qwen3_moe", 16), ("glm4_moe", 32)])
+def test_num_experts_sets_the_routed_experts(
+    tmp_path: Path, arch: str, experts: int
+) -> None:
+    out = write_tiny_checkpoint(
+        tmp_path / arch, arch=arch, num_layers=2, num_experts=experts
+    )
+    cfg = _config(out)
+    counts = [
+        cfg[k]
+        for k in ("num_experts", "num_local_experts", "n_routed_experts")
+        if k in cfg
+    ]
+    assert counts == [experts]
+    names = _tensor_names(out)
+    assert any(f".experts.{experts - 1}." in n for n in names)
+    assert not any(f".experts.{experts}." in n for n in names)
+
+
+@pytest.mark.parametrize(
+    ("arch", "experts", "message"),
+    [
+        ("qwen3_moe", 12, "must be a positive multiple of qwen3_moe's 8"),
+        ("glm4_moe", 8, "must be a positive multiple of glm4_moe's 16"),
+        ("deepseek_v2", 16, "not 'deepseek_v2'"),
+    ],
+)
+def test_num_experts_refuses_what_the_family_cannot_take(
+    tmp_path: Path, arch: str, experts: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        write_tiny_checkpoint(tmp_path / "m", arch=arch, num_experts=experts)

@@ -21,16 +21,21 @@ import sys
 def _tiny_model(args: argparse.Namespace) -> int:
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(
-        args.dir,
-        arch=args.arch,
-        num_layers=args.layers,
-        seed=args.seed,
-        dtype=args.dtype,
-        gpu_dims=args.gpu_dims,
-        hidden_size=args.hidden_size,
-        mxfp4_experts=args.mxfp4_experts,
-    )
+    try:
+        path = write_tiny_checkpoint(
+            args.dir,
+            arch=args.arch,
+            num_layers=args.layers,
+            seed=args.seed,
+            dtype=args.dtype,
+            gpu_dims=args.gpu_dims,
+            hidden_size=args.hidden_size,
+            mxfp4_experts=args.mxfp4_experts,
+            num_experts=args.experts,
+        )
+    except ValueError as e:
+        print(f"vllm-afd tiny-model: {e}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -76,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="gpt_oss only: routed experts in MXFP4, as gpt-oss's release ships "
         "them (vLLM serves them on GPUs)",
+    )
+    tiny.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="routed experts per MoE layer, a multiple of the family's default "
+        "(not deepseek_v2/v3, step3p5, hy_v3)",
     )
     tiny.set_defaults(func=_tiny_model)
 

@@ -60,7 +60,7 @@ from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import Topology
 
 #: bumped when what the cache holds changes meaning
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 #: --target-devices' default link: half the cuda_ipc round trip measured in
 #: CUDA graphs on one H100/H200 (8.9-10.8 us at 1-256 tokens of hidden 2048),
 #: and a bandwidth below NVLink's per direction

@@ -52,6 +52,18 @@ def format_profile(
                 else ""
             )
         )
+    own = {(p["context"], p["batch"]) for p in afd}
+    extra = [p for p in plain_points or [] if (p["context"], p["batch"]) not in own]
+    if extra:
+        lines.append(
+            "plain ms at the batches the kA1F deployments hold on this device: "
+            + ", ".join(
+                f"context {p['context']} batch {p['batch']} "
+                f"{prof.colocated[p['context']](p['batch']) * 1e3:.2f}"
+                + (f" (spread {_spread(p)})" if repeated else "")
+                for p in extra
+            )
+        )
     if repeated:
         lines.append(
             "spread: (max - min) / median of a step over the repeats (AFD, "
@@ -82,9 +94,10 @@ def format_profile(
 
 
 def format_plan(plan: Plan, unit: str) -> str:
+    equal = {id(p): q for p, q in zip(plan.rows, plan.equal, strict=False)}
     lines = [
         f"{'context':>8} {'deployment':<12} {'batch':>6} {'step ms':>8} "
-        f"{unit:>14} {'vs colocated':>13} bound",
+        f"{unit:>14} {'vs colocated':>13} {'same batch':>14} bound",
     ]
     for c in plan.contexts:
         base = plan.baselines.get(c)
@@ -97,11 +110,21 @@ def format_plan(plan: Plan, unit: str) -> str:
                 f"{p.tokens_per_s_per_device / base.tokens_per_s_per_device:.2f}x"
                 if base and p is not base else "1.00x" if p is base else "-"
             )  # fmt: skip
+            same = equal.get(id(p))
+            vs_same = (
+                f"{p.tokens_per_s_per_device / same.tokens_per_s_per_device:.2f}x"
+                f" ({same.batch})" if same else "-"
+            )  # fmt: skip
             lines.append(
                 f"{c:>8} {p.name:<12} {p.batch:>6} {p.step_s * 1e3:>8.2f} "
-                f"{p.tokens_per_s_per_device:>14.1f} {ratio:>13} "
+                f"{p.tokens_per_s_per_device:>14.1f} {ratio:>13} {vs_same:>14} "
                 f"{p.bound.value if p.bound else '-'}"
             )
+    lines.append(
+        "vs colocated: against plain vLLM at its best batch that fits (KV, SLO); "
+        "same batch: against plain vLLM holding as many sequences per device "
+        "(in brackets)"
+    )
     for p in plan.over_bound:
         lines.append(
             f"{p.context:>8} {p.name:<12} {p.batch:>6} not trusted: {p.over_bound}"

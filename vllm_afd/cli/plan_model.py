@@ -52,8 +52,15 @@ replicas, ``b / T_p(b)`` per device, and, where
 measured (``--tp-baselines``), plain vLLM with tensor parallelism N over N
 devices, ``b / T_pN(b) / N`` per device (per host on shared cores:
 ``b / T_pN(b)``); the best that fits is the reference. Expert parallelism is
-not modelled. A batch fits when ``b*(c + decode tokens)`` fits the KV
-capacity of the rank and the step meets the TPOT SLO.
+not modelled. A deployment is compared with plain vLLM twice: with the best
+colocated baseline (its best measured batch that fits the KV capacity and
+the TPOT SLO: "equal SLO"), and with plain vLLM holding as many sequences
+per device (``equal_batch``: ``x*b`` on a shared device, where every rank's
+sequences are on it; ``x*b / (x+y)`` on separate ones): on a device that
+a small batch leaves idle plain vLLM runs a larger batch in little more
+time, so a deployment holding more sequences is not faster for that. A batch
+fits when ``b*(c + decode tokens)`` fits the KV capacity of the rank and the
+step meets the TPOT SLO.
 
 The device bound (shared devices only): the roles of a deployment on one
 device do the work plain vLLM does there for the same sequences, and more
@@ -470,6 +477,36 @@ def predict_colocated(
     return Prediction(name, context, batch, step, step, 0.0, 0.0, per_device)
 
 
+def equal_batch(profile: Profile, cand: Candidate, batch: int) -> int:
+    """The sequences per device ``cand`` holds at ``batch`` per attention
+    rank: every rank's on a shared device, else spread over its devices."""
+    total = cand.attention_ranks * batch
+    if profile.shared_cores:
+        return total
+    return max(1, round(total / cand.devices))
+
+
+def at_equal_batch(profile: Profile, p: Prediction) -> Prediction | None:
+    """Plain vLLM (one device) holding as many sequences per device as the
+    deployment of ``p`` (:func:`equal_batch`); None for a baseline or where
+    plain vLLM was not measured at ``p``'s context."""
+    if p.candidate is None or not profile.colocated:
+        return None
+    return predict_colocated(
+        profile, p.context, equal_batch(profile, p.candidate, p.batch)
+    )
+
+
+def colocated_batches(
+    profile: Profile, context: int, batches: Sequence[int]
+) -> list[int]:
+    """The batches the colocated baseline chooses from: ``batches`` and every
+    batch plain vLLM was measured at (on a shared device also those its
+    deployments hold, ``k*b``)."""
+    measured = _nearest(profile.colocated, context).points if profile.colocated else ()
+    return sorted({*batches, *(int(x) for x, _ in measured)})
+
+
 def colocated_tps(profile: Profile, devices: int) -> list[int]:
     """The tensor-parallel sizes of the colocated baselines that fit
     ``devices`` (1: data-parallel replicas of one device each)."""
@@ -561,11 +598,15 @@ class Plan:
     unfit: tuple[Prediction, ...] = field(default=())
     #: predictions that broke the device bound (never recommended)
     over_bound: tuple[Prediction, ...] = field(default=())
+    #: per row of ``rows``: plain vLLM holding as many sequences per device
+    #: (:func:`at_equal_batch`; None where not known)
+    equal: tuple[Prediction | None, ...] = field(default=())
 
     def to_json(self) -> dict:
         return {
             "contexts": list(self.contexts),
             "rows": [p.to_json() for p in self.rows],
+            "equal_batch": [p.to_json() if p else None for p in self.equal],
             "over_bound": [p.to_json() for p in self.over_bound],
             "baselines": {
                 str(c): p.to_json() if p else None for c, p in self.baselines.items()
@@ -601,27 +642,40 @@ def make_plan(
             score.setdefault(cand.name, []).append(choice.best)
     baselines = {
         c: _best(
-            best_batch(profile, None, c, batches, slo_s, tp).best
+            best_batch(
+                profile, None, c,
+                colocated_batches(profile, c, batches) if tp == 1 else batches,
+                slo_s, tp,
+            ).best
             for tp in colocated_tps(profile, devices)
         )
         for c in contexts
-    }
+    }  # fmt: skip
+    equal = tuple(at_equal_batch(profile, p) for p in rows)
     full = {k: v for k, v in score.items() if len(v) == len(contexts)}
     if not full:
         return Plan(tuple(contexts), tuple(rows), baselines, None,
                     "no deployment fits the device budget, KV capacity, SLO "
-                    "and device bound", tuple(unfit), tuple(over))  # fmt: skip
+                    "and device bound", tuple(unfit), tuple(over), equal)  # fmt: skip
     pick = max(full, key=lambda k: _mean(p.tokens_per_s_per_device for p in full[k]))
     best = max(full[pick], key=lambda p: p.tokens_per_s_per_device)
     assert best.bound is not None  # predict() bounds every deployment
+    reason = REASONS[best.bound]
     base = [p.tokens_per_s_per_device for p in baselines.values() if p]
-    ratio = _mean(p.tokens_per_s_per_device for p in full[pick]) / _mean(base)
-    reason = f"{REASONS[best.bound]}; {ratio:.2f}x colocated per device" if base else (
-        REASONS[best.bound]
-    )  # fmt: skip
+    if base:
+        ratio = _mean(p.tokens_per_s_per_device for p in full[pick]) / _mean(base)
+        reason += f"; {ratio:.2f}x colocated per device at its best batch"
+        same = at_equal_batch(profile, best)
+        if same is not None:
+            reason += (
+                f", {best.tokens_per_s_per_device / same.tokens_per_s_per_device:.2f}x"
+                f" plain vLLM holding as many sequences ({same.batch}) per device"
+            )
+        if ratio < 1:
+            reason += "; plain vLLM serves more per device here"
     return Plan(
         tuple(contexts), tuple(rows), baselines, best, reason, tuple(unfit),
-        tuple(over),
+        tuple(over), equal,
     )  # fmt: skip
 
 

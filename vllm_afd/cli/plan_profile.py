@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import re
 import statistics
@@ -302,6 +303,16 @@ def _step_measure(
     return measure
 
 
+def plain_batches(
+    batches: Sequence[int], sharing_ranks: Sequence[int] = ()
+) -> list[int]:
+    """The batches plain vLLM (one device) is measured at: ``batches`` and,
+    on a shared device, every ``k*b`` a kA1F deployment of ``sharing_ranks``
+    holds there, so that each is compared with plain vLLM holding as many
+    sequences (:func:`~vllm_afd.cli.plan_model.at_equal_batch`)."""
+    return sorted({*batches, *(k * b for k in sharing_ranks for b in batches)})
+
+
 def profile(
     spec: DeploymentSpec,
     contexts: Sequence[int],
@@ -318,7 +329,8 @@ def profile(
     note: Callable[[str], None] | None = None,
 ) -> tuple[Profile, dict[str, list[Point]]]:
     """Measure every point on 1A1F AFD, on plain vLLM (``spec``'s model and
-    vLLM arguments; also with each tensor-parallel size of ``tp_baselines``)
+    vLLM arguments; at :func:`plain_batches` too; also with each
+    tensor-parallel size of ``tp_baselines``)
     and, for each k of ``sharing_ranks`` (every role on one device, and
     deployments of more than one attention rank to predict), on kA1F AFD, and with
     ``measure_ubatching`` (one GPU, micro-batches to predict) on 1A1F AFD with
@@ -332,16 +344,22 @@ def profile(
         "afd", "plain", *tp_phases, *(f"shared{k}" for k in sharing_ranks),
         *(["ubatched"] if measure_ubatching else []),
     ]  # fmt: skip
-    counter = iter(range(1, len(grid) * len(phases) + 1))
+    counter = itertools.count(1)
     points: dict[str, list[Point]] = {}
 
-    def each(name: str, measure: Callable[[int, int, int], Point]) -> list[Point]:
+    plain_grid = [
+        (c, b) for c in contexts for b in plain_batches(batches, sharing_ranks)
+    ]
+    total = len(grid) * (len(phases) - 1) + len(plain_grid)
+
+    def each(
+        name: str,
+        measure: Callable[[int, int, int], Point],
+        points: Sequence[tuple[int, int]] = (),
+    ) -> list[Point]:
         out = []
-        for c, b in grid:
-            say(
-                f"[{next(counter)}/{len(grid) * len(phases)}] {name} context {c} "
-                f"batch {b}"
-            )
+        for c, b in points or grid:
+            say(f"[{next(counter)}/{total}] {name} context {c} batch {b}")
 
             def once(k: int, c: int = c, b: int = b) -> Point:
                 return measure(c, b, seed + 10 * k)
@@ -368,7 +386,9 @@ def profile(
             served = _check_lengths(plain.url, contexts, decode_tokens)
             warm_up(plain.url, served, min(contexts), 2)
             points["plain" if n == 1 else f"plain_tp{n}"] = each(
-                what, _plain_measure(plain.url, served, decode_tokens, say)
+                what,
+                _plain_measure(plain.url, served, decode_tokens, say),
+                plain_grid if n == 1 else grid,
             )
     # Phases timed by their step alone: (phase, attention ranks, micro-batches,
     # label, why)

@@ -26,10 +26,15 @@ from typing import IO, Protocol
 _LOG_PREFIX = r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\]"
 _PREFIX = re.compile(_LOG_PREFIX + " ?")
 #: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, after vLLM's optional
-#: process tag ``(VllmWorker-0 pid=12)`` and log prefix
+#: process tag ``(VllmWorker-0 pid=12)`` and an ERROR or CRITICAL log prefix.
+#: An exception logged at WARNING or below was handled (vLLM logs the
+#: traceback of an optional kernel package that failed to import, e.g.
+#: ``OSError: .../deep_gemm/_C_extension.abi3.so: undefined symbol``, and goes
+#: on): it is never the cause of a failed start.
+_ERROR_PREFIX = r"(ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\]"
 _EXCEPTION = re.compile(
     r"^(\([^()]*? pid=\d+\)\s*)?"
-    rf"({_LOG_PREFIX}\s*)?"
+    rf"({_ERROR_PREFIX}\s*)?"
     r"(?P<exc>[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)): \S"
 )
 #: vLLM's generic wrappers of a worker's or engine's real error: never the cause

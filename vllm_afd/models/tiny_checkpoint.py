@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
-from vllm_afd.models.tiny_hf import HF_ARCHS, hf_config, write_hf_weights
+from vllm_afd.models.tiny_hf import (
+    HF_ARCHS,
+    check_num_experts,
+    hf_config,
+    write_hf_weights,
+)
 from vllm_afd.models.tiny_own import OWN_WRITERS, mlp_specs
 
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
@@ -119,6 +124,7 @@ def write_tiny_checkpoint(
     gpu_dims: bool = False,
     hidden_size: int | None = None,
     mxfp4_experts: bool = False,
+    num_experts: int | None = None,
 ) -> Path:
     """Write a random-weight MoE checkpoint of family ``arch`` with a local
     tokenizer.
@@ -138,6 +144,11 @@ def write_tiny_checkpoint(
         hidden_size: Model width (default 128); a multiple of the head count.
         mxfp4_experts: Store the routed experts in MXFP4 as gpt-oss's release
             does (``gpt_oss`` only; :mod:`vllm_afd.models.tiny_mxfp4`).
+        num_experts: Routed experts per MoE layer instead of the family's
+            default, a multiple of it (families made by transformers' config
+            classes, not ``deepseek_v2``/``deepseek_v3``). vLLM pads a
+            quantized linear layer's output to 16 columns, so a router over
+            16 experts is what online FP8 needs.
 
     Returns:
         The checkpoint directory.
@@ -151,6 +162,13 @@ def write_tiny_checkpoint(
             f"mxfp4_experts is for arch='gpt_oss' (the format its release "
             f"ships), not {arch!r}"
         )
+    if num_experts is not None and arch not in HF_ARCHS:
+        raise ValueError(
+            f"num_experts is for the families made by transformers' config "
+            f"classes ({', '.join(HF_ARCHS)}), not {arch!r}"
+        )
+    if num_experts is not None:
+        check_num_experts(arch, num_experts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -164,7 +182,7 @@ def write_tiny_checkpoint(
         max_positions=_MAX_POSITIONS,
     )
     if arch in HF_ARCHS:
-        config_obj = hf_config(arch, **shape)
+        config_obj = hf_config(arch, **shape, num_experts=num_experts)
         write_hf_weights(config_obj, out, draw, seed, _DTYPES[dtype])
         _write_generation_config(out, _special_ids())
         if mxfp4_experts:

@@ -326,6 +326,37 @@ _EXPERT_WIDE = (
 )  # fmt: skip
 
 HF_ARCHS = tuple(_FAMILIES)
+
+#: the config keys families name their routed-expert count by
+_EXPERT_KEYS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+)
+
+
+def _experts_key(arch: str) -> str:
+    moe = _FAMILIES[arch][1]
+    return next(k for k in _EXPERT_KEYS if k in moe)
+
+
+def default_experts(arch: str) -> int:
+    """Routed experts of the tiny ``arch`` model by default."""
+    return int(_FAMILIES[arch][1][_experts_key(arch)])
+
+
+def check_num_experts(arch: str, num_experts: int) -> None:
+    """ValueError unless ``num_experts`` is a positive multiple of ``arch``'s
+    default count (so that its expert groups and top-k stay valid)."""
+    default = default_experts(arch)
+    if num_experts < 1 or num_experts % default:
+        raise ValueError(
+            f"num_experts={num_experts} must be a positive multiple of "
+            f"{arch}'s {default} (its expert groups and top-k stay valid)"
+        )
+
+
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2", "qwen3_5_moe", "step3p5", "granitemoehybrid")
 #: families AFD serves with the gate on the attention role only: a record's
@@ -351,12 +382,17 @@ def hf_config(
     dtype: str,
     special_ids: dict[str, int],
     max_positions: int,
+    num_experts: int | None = None,
 ) -> Any:
     """The transformers config of a tiny ``arch`` model (layer 0 dense where
-    the family has dense layers)."""
+    the family has dense layers); ``num_experts`` routed experts instead of
+    the family's default (:func:`default_experts`), a multiple of it."""
     import transformers
 
     class_name, moe = _FAMILIES[arch]
+    if num_experts is not None:
+        check_num_experts(arch, num_experts)
+        moe = {**moe, _experts_key(arch): num_experts}
     config_cls = getattr(transformers, class_name)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
