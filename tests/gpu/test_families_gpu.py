@@ -62,8 +62,10 @@ EXTRA_ARGS = {
 #: the step's row count, and sigmoid scores with a bias turn the last bit into
 #: another expert. The same settings gave MiniMax-M2 15/16 and 16/16 identical
 #: in two runs on one H200, and EXAONE-MoE 14/16 on one H100. Every server of
-#: such a family runs vLLM's batch-invariant kernels.
-BATCH_VARIANT = {"exaone_moe", "minimax_m2", "step3p5"}
+#: such a family runs vLLM's batch-invariant kernels. Not Step-3.5: with them
+#: plain vLLM's own answers carried NaN logprobs on one H100 (its first
+#: workload failed: "Out of range float values are not JSON compliant: nan").
+BATCH_VARIANT = {"exaone_moe", "minimax_m2"}
 BATCH_INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 
 
