@@ -1,9 +1,11 @@
 """Faults of real role processes: the attention role survives its FFN rank.
 
-Also the exactness of the M:N topology 2A1F (tiny Qwen3-MoE): 16 prompts
+Also the exactness of the M:N topology 3A1F (tiny Qwen3-MoE): 16 prompts
 against plain vLLM, before and after each fault (one FFN rank of 2A2F dying
-is ``test_multi_host.py``'s fault). One deployment per topology (1A1F,
-2A1F), the launcher's own
+is ``test_multi_host.py``'s fault). Three attention ranks: vLLM shards the
+MoE width (64 here) over its data-parallel ranks and asserts that it
+divides, and the attention role, which holds no experts, must start anyway.
+One deployment per topology (1A1F, 3A1F), the launcher's own
 supervision (``Deployment.supervise``) running beside it, and in that one
 lifetime:
 
@@ -17,10 +19,10 @@ lifetime:
    503 within ``timeout_s``; the stopped rank is killed, an FFN rank with
    **other weights** starts in its place and the handshake refuses it naming
    ``model_digest`` while the attention role keeps waiting, and the right one
-   rejoins. 2A1F, mid-stream: the stream ends with an error once the step's
+   rejoins. 3A1F, mid-stream: the stream ends with an error once the step's
    wait runs out, ``/health`` answers 503; the stopped rank is resumed
-   (SIGCONT), finds its step failed, and the same process rejoins both
-   attention ranks in place. Output exact again.
+   (SIGCONT), finds its step failed, and the same process rejoins every
+   attention rank in place. Output exact again.
 3. **Attention SIGKILL**: the FFN server stops by itself, and the supervisor
    stops the deployment with an error that says an attention rank cannot
    rejoin.
@@ -118,7 +120,7 @@ def _requests_during(url: str, model: str, stop: threading.Event, seen: list):
             time.sleep(0.2)
 
 
-@pytest.mark.parametrize("a", [1, 2], ids=["1A1F", "2A1F"])
+@pytest.mark.parametrize("a", [1, 3], ids=["1A1F", "3A1F"])
 def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
     model = qwen3
     plain = _plain_of(model)
@@ -173,7 +175,7 @@ def test_attention_survives_its_ffn_rank(qwen3, tmp_path, a):
 
         # 2. SIGSTOP. 1A1F: idle, only the heartbeat tells; killed, and a
         # rank on other weights is refused before the right one rejoins.
-        # 2A1F: mid-stream, both attention ranks give up inside a step; once
+        # 3A1F: mid-stream, every attention rank gives up inside a step; once
         # resumed, the same FFN process finds its step failed and rejoins them
         # in place (no restart, no weights reloaded).
         ffn_pid = afd.ffn.proc.pid
