@@ -665,7 +665,7 @@ def make_plan(
     if base:
         ratio = _mean(p.tokens_per_s_per_device for p in full[pick]) / _mean(base)
         reason += f"; {ratio:.2f}x colocated per device at its best batch"
-        same = at_equal_batch(profile, best)
+        same = equal[rows.index(best)]
         if same is not None:
             reason += (
                 f", {best.tokens_per_s_per_device / same.tokens_per_s_per_device:.2f}x"

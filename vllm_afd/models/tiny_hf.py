@@ -386,12 +386,12 @@ def hf_config(
 ) -> Any:
     """The transformers config of a tiny ``arch`` model (layer 0 dense where
     the family has dense layers); ``num_experts`` routed experts instead of
-    the family's default (:func:`default_experts`), a multiple of it."""
+    the family's default (:func:`default_experts`), a multiple of it
+    (:func:`check_num_experts`, which the caller has run)."""
     import transformers
 
     class_name, moe = _FAMILIES[arch]
     if num_experts is not None:
-        check_num_experts(arch, num_experts)
         moe = {**moe, _experts_key(arch): num_experts}
     config_cls = getattr(transformers, class_name)
     kwargs: dict[str, Any] = dict(
