@@ -4,16 +4,18 @@ A plain prefill server computes each prompt's KV cache (vLLM's
 ``ExampleConnector``, through files), the AFD decode deployment's attention
 role loads it and decodes, vLLM's router sends each request to both in turn.
 Through the router, greedy ids and top-5 logprobs equal plain vLLM's on the
-same model and settings, at 1A1F and 2A1F behind a plain prefill server and
-at 1A1F behind an AFD 1A2F prefill deployment on the ``async`` connector
-(``--prefill 1A2F:async``: its attention role computes the KV cache, the
-experts split over its two FFN ranks), and the decode attention role
-counts prompt tokens loaded from the connector (so the KV cache did come from
-prefill). The requests go one after another: with vLLM's ExampleConnector on
-CPU, requests that overlap on the decode side sometimes come out otherwise,
-with plain vLLM as the decode side too (docs/deployment.md).
+same model and settings, at 1A1F (and 2A1F with ``AFD_TEST_PD_2A1F=1``)
+behind a plain prefill server and at 1A1F behind an AFD 1A2F prefill
+deployment on the ``async`` connector (``--prefill 1A2F:async``: its
+attention role computes the KV cache, the experts split over its two FFN
+ranks), and the decode attention role counts prompt tokens loaded from the
+connector (so the KV cache did come from prefill). The requests go one after
+another: with vLLM's ExampleConnector on CPU, requests that overlap on the
+decode side sometimes come out otherwise, with plain vLLM as the decode side
+too (docs/deployment.md).
 
-Then the prefill server is SIGKILLed: requests through the router fail with
+Then, behind the plain prefill server at 1A1F, the prefill server is
+SIGKILLed: requests through the router fail with
 HTTP 5xx, decode keeps serving (straight to its API), the supervisor starts
 prefill again, and requests through the router are exact again (``AGAIN``: four
 of the requests, prefill's KV now from a new process). Each deployment serves
@@ -127,10 +129,18 @@ def _loaded_tokens(url: str) -> float:
     )
 
 
+#: (prefill side, decode topology) of each PD deployment; AFD_TEST_PD_2A1F=1
+#: adds a plain prefill server in front of AFD 2A1F (its DP attention ranks
+#: are in test_families.py and test_multi_host.py, PD in the cases here)
+PD_CASES = [("1", "1A1F"), ("1A2F:async", "1A1F")]
+if os.environ.get("AFD_TEST_PD_2A1F") == "1":
+    PD_CASES.insert(1, ("1", "2A1F"))
+
+
 @pytest.mark.parametrize(
     ("prefill", "topology"),
-    [("1", "1A1F"), ("1", "2A1F"), ("1A2F:async", "1A1F")],
-    ids=["1P-1A1F", "1P-2A1F", "1A2F_async-1A1F"],
+    PD_CASES,
+    ids=[f"{'1P' if p == '1' else p.replace(':', '_')}-{t}" for p, t in PD_CASES],
 )
 def test_pd_with_afd_decode_equals_plain_vllm(
     family_models, tmp_path, prefill, topology
@@ -151,7 +161,7 @@ def test_pd_with_afd_decode_equals_plain_vllm(
         plain = plain_outputs(pd_spec.decode, texts)
         assert_same_outputs(out, [plain[i] for i in SERVED], ATOL)
         print(f"PD {prefill}P-{topology}: {loaded:.0f} prompt tokens' KV from prefill")
-        if topology == "2A1F":
+        if (prefill, topology) == ("1", "1A1F"):
             _prefill_killed(pd, texts, model)
     except BaseException:
         print_log_tail(log)
