@@ -9,6 +9,7 @@ rank checks each layer's output against the sum over all its rows' experts.
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import signal
@@ -21,10 +22,14 @@ import torch
 from _scenarios import free_port
 
 from vllm_afd.config import parse_afd_config
-from vllm_afd.connector import Fingerprint, Routing, async_ep, async_rows
+from vllm_afd.connector import Fingerprint, Routing, async_ep, async_rows, async_slots
 from vllm_afd.connector.async_ep import AsyncAttention, AsyncFFN, ExpertSlices
 from vllm_afd.connector.async_wire import FrameKind, FrameReader, encode_header
-from vllm_afd.connector.factory import create_async_endpoint, create_connector
+from vllm_afd.connector.factory import (
+    ExchangeLimits,
+    create_async_endpoint,
+    create_connector,
+)
 from vllm_afd.errors import (
     AFDConfigError,
     AFDPeerError,
@@ -59,8 +64,9 @@ def _config(role: str, a: int, f: int, port: int, rank: int = 0, **extra: Any):
 
 def _endpoint(role: str, a: int, f: int, port: int, rank: int, **kw: Any):
     fp_kw = {k: kw.pop(k) for k in ("top_k", "parts") if k in kw}
+    limits = kw.pop("limits", None)
     config = _config(role, a, f, port, rank, **kw)
-    return create_async_endpoint(config, rank, _fp(a, f, **fp_kw))
+    return create_async_endpoint(config, rank, _fp(a, f, **fp_kw), limits)
 
 
 def _expert_sum(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -82,7 +88,9 @@ def _serve(ep: AsyncFFN, parts: int, seen: list, stop_after: int | None = None):
     n = 0
     while (item := ep.next_item()) is not None:
         n += 1
-        seen.append((item.source, item.layer, item.hidden.shape[0], item.counts))
+        seen.append(
+            (item.source, item.layer, item.hidden.shape[0], item.counts, item.in_slot)
+        )
         routed = _expert_sum(item.hidden, item.routing)
         out = routed if parts == 1 else torch.cat([_shared(item.hidden), routed], 1)
         ep.reply(item, out)
@@ -120,7 +128,15 @@ def _drive(ep: AsyncAttention, rank: int, parts: int, shared: bool, only=None):
     return worst
 
 
-def _run(a: int, f: int, parts: int = 1, shared: bool = False, only=None):
+def _run(
+    a: int,
+    f: int,
+    parts: int = 1,
+    shared: bool = False,
+    only=None,
+    payload: str = "socket",
+    limits: ExchangeLimits | None = None,
+):
     port = free_port()
     seen: dict[int, list] = {r: [] for r in range(f)}
     results: dict[str, Any] = {}
@@ -131,8 +147,9 @@ def _run(a: int, f: int, parts: int = 1, shared: bool = False, only=None):
         except BaseException as e:  # reported by the test
             results[name] = e
 
-    ffns = [_endpoint("ffn", a, f, port, r, parts=parts) for r in range(f)]
-    atts = [_endpoint("attention", a, f, port, r, parts=parts) for r in range(a)]
+    kw = {"parts": parts, "payload": payload, "limits": limits}
+    ffns = [_endpoint("ffn", a, f, port, r, **kw) for r in range(f)]
+    atts = [_endpoint("attention", a, f, port, r, **kw) for r in range(a)]
     threads = [
         threading.Thread(target=guard, args=(f"ffn{r}", _serve, ep, parts, seen[r]))
         for r, ep in enumerate(ffns)
@@ -152,10 +169,11 @@ def _run(a: int, f: int, parts: int = 1, shared: bool = False, only=None):
     return results, seen
 
 
+@pytest.mark.parametrize("payload", ["socket", "shared"])
 @pytest.mark.parametrize("topo", ["1A1F", "2A1F", "1A2F", "2A2F", "3A2F", "1A3F"])
-def test_async_round_trip_every_topology(topo):
+def test_async_round_trip_every_topology(topo, payload):
     a, f = int(topo[0]), int(topo[2])
-    results, seen = _run(a, f)
+    results, seen = _run(a, f, payload=payload)
     worst = max(results[f"att{r}"] for r in range(a))
     if f == 1:
         assert worst == 0.0  # one rank: the same sum in the same order
@@ -166,7 +184,9 @@ def test_async_round_trip_every_topology(topo):
     for r in range(f):
         assert {src for src, *_ in seen[r]} == set(range(a)), (r, seen[r][:3])
         lo, hi = ExpertSlices(E, f).bounds(r)
-        assert all(len(counts) == hi - lo for *_, counts in seen[r])
+        assert all(len(counts) == hi - lo for _, _, _, counts, _ in seen[r])
+        # shared: every item's rows in a slot (the slots hold 8192 rows)
+        assert all(in_slot == (payload == "shared") for *_, in_slot in seen[r])
 
 
 def test_shared_experts_run_on_rank_0_and_routed_parts_add_up():
@@ -182,7 +202,51 @@ def test_shared_experts_run_on_rank_0_and_routed_parts_add_up():
 def test_an_ffn_rank_no_row_chose_gets_no_item():
     _, seen = _run(1, 2, only=0)
     assert seen[1] == [] and len(seen[0]) == STEPS * len(LAYERS)
-    assert all(sum(counts) == tokens * K for _, _, tokens, counts in seen[0])
+    assert all(sum(counts) == tokens * K for _, _, tokens, counts, _ in seen[0])
+
+
+def test_shared_payload_sends_what_outgrows_a_slot_on_the_socket():
+    """``payload: shared`` with slots of 6 rows (1A1F): the items of 3 and 5 rows
+    travel in slots, those of 7 and more on the socket, all exact; no ring
+    file is left behind once the endpoints are up."""
+    before = set(glob.glob(f"{async_slots.SHM_DIR}/vllm-afd-*"))
+    results, seen = _run(1, 1, payload="shared", limits=ExchangeLimits(max_tokens=6))
+    assert results["att0"] < 1e-5
+    by_size = {(tokens, in_slot) for _, _, tokens, _, in_slot in seen[0]}
+    assert {(3, True), (5, True), (7, False)} <= by_size, by_size
+    assert set(glob.glob(f"{async_slots.SHM_DIR}/vllm-afd-*")) <= before
+
+
+def test_payload_planes_that_differ_fail_both_roles_naming_the_option():
+    port = free_port()
+    ffn = _endpoint("ffn", 1, 1, port, 0, payload="socket")
+    att = _endpoint("attention", 1, 1, port, 0, payload="shared")
+    errors: dict[str, BaseException] = {}
+
+    def start(name: str, ep) -> None:
+        try:
+            ep.start()
+        except BaseException as e:  # checked below
+            errors[name] = e
+
+    threads = [
+        threading.Thread(target=start, args=(n, ep))
+        for n, ep in (("ffn", ffn), ("att", att))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(errors) == {"ffn", "att"}, errors
+    for e in errors.values():
+        assert isinstance(e, AFDConfigError), repr(e)
+        assert "'payload'" in str(e) and "'shared'" in str(e), str(e)
+
+
+def test_payload_shared_refuses_roles_on_other_hosts():
+    theirs = {"payload": "shared", "host": "elsewhere/0", "ring": None}
+    with pytest.raises(AFDConfigError, match="needs every role on one host"):
+        async_slots._check_peer(theirs, "shared", "ffn rank 0")
 
 
 def test_more_ffn_ranks_than_experts_are_refused():
@@ -445,11 +509,11 @@ def test_frames_refuse_another_protocol():
     b.close()
 
 
-def _pair(f: int = 1, port: int | None = None):
+def _pair(f: int = 1, port: int | None = None, payload: str = "socket"):
     """A started attention rank and FFN ranks (1A``f``F), no items yet."""
     port = free_port() if port is None else port
-    ffns = [_endpoint("ffn", 1, f, port, r) for r in range(f)]
-    att = _endpoint("attention", 1, f, port, 0)
+    ffns = [_endpoint("ffn", 1, f, port, r, payload=payload) for r in range(f)]
+    att = _endpoint("attention", 1, f, port, 0, payload=payload)
     starters = [threading.Thread(target=ep.start) for ep in ffns]
     for t in starters:
         t.start()
@@ -465,12 +529,14 @@ def _watched(att) -> tuple[threading.Event, list[str]]:
     return lost, why
 
 
-def test_two_stages_in_flight_read_their_own_replies_and_the_watch_waits():
+@pytest.mark.parametrize("payload", ["socket", "shared"])
+def test_two_stages_in_flight_read_their_own_replies_and_the_watch_waits(payload):
     """Request-boundary stages (``worker.stages``): two exchanges of a layer
     dispatched before either is finished, on 1A2F. Both FFN ranks have
     answered both before the first finish reads, so each read must take its
-    own reply only; the watch stays off the connections until the last ends."""
-    att, ffns = _pair(f=2)
+    own reply only (``shared``: each in its own slot); the watch stays off the
+    connections until the last ends."""
+    att, ffns = _pair(f=2, payload=payload)
     seen: list = []
     servers = [
         threading.Thread(target=_serve_items, args=(ffn, seen), daemon=True)

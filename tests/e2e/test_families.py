@@ -137,8 +137,9 @@ CASES = [
     # expert biases cut with the weights; its loader handed each all-expert
     # tensor's rows of the rank's slice (``Family.whole_expert_tensors``)
     ("gpt_oss", 1, 2, True, "async"),
-    # with request-boundary stages (afd.num_ubatches 2): most steps split
-    ("qwen3_moe", 1, 2, True, "async+stages"),  # last: the fault test ends it
+    # with request-boundary stages (afd.num_ubatches 2): most steps split;
+    # payloads in shared-memory slot rings (connector option payload: shared)
+    ("qwen3_moe", 1, 2, True, "async+shared+stages"),  # last: the fault test ends it
 ]
 #: vLLM's micro-batch thresholds on the staged case's attention role, low
 #: enough that the decode steps of this workload are split too
@@ -252,7 +253,9 @@ def test_family_exact_and_role_split(
         _check_expert_slices(run.log, EXPERTS[family], ffn_ranks)
     if connector.startswith("async") and ranks > 1:
         _check_ranks_step_on_their_own(spec)
-    if connector.endswith("+stages"):
+    if "shared" in connector.split("+"):  # both roles, on every link
+        assert len(re.findall(r"payload shared \(2 slots of", run.log)) == 3, run.log
+    if "stages" in connector.split("+"):
         split = run.metrics[("afd_attention_ubatched_steps", "attention", "0")]
         steps = run.metrics[("afd_steps", "attention", "0")]
         FAMILY_RESULTS.append(
@@ -282,8 +285,9 @@ def _check_ranks_step_on_their_own(spec) -> None:
 
 def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector: str):
     dtype = DTYPES.get(Path(model).name, "float32")
-    connector, _, stages = connector.partition("+")
-    staged = {"ubatches": 2, "attention_args": STAGE_ARGS} if stages else {}
+    connector, *flags = connector.split("+")
+    staged = {"ubatches": 2, "attention_args": STAGE_ARGS} if "stages" in flags else {}
+    options = {"payload": "shared"} if "shared" in flags else {}
     return make_spec(
         model,
         ["--dtype", dtype, "--enforce-eager"],
@@ -291,6 +295,7 @@ def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector:
         ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,
         connector=connector,
+        connector_extra_config=options,
         **staged,
     )
 
@@ -302,7 +307,7 @@ def test_async_ffn_rank_lost_fails_its_requests_and_rejoins(family_models):
     The stream ends with an error, ``/health`` answers 503 naming ffn rank 1,
     the launcher restarts it, the attention rank and FFN rank 0 re-form the
     session with it (same processes), and the workload is exact again."""
-    spec = _spec(family_models["qwen3_moe"], 1, 2, True, "async+stages")
+    spec = _spec(family_models["qwen3_moe"], 1, 2, True, "async+shared+stages")
     afd, log = POOL.take(spec)
     try:
         url = afd.api_url

@@ -72,6 +72,13 @@ from vllm_afd.connector.async_rows import (
     reply_is_output,
     view_bytes,
 )
+from vllm_afd.connector.async_slots import (
+    DEPTH,
+    Rings,
+    handshake,
+    reply_ring,
+    work_ring,
+)
 from vllm_afd.connector.async_wire import (
     Frame,
     FrameKind,
@@ -151,6 +158,8 @@ class WorkItem:
         hidden: ``[T, H]`` rows.
         routing: their ``[T, K]`` top-k, every id an expert of this rank.
         counts: rows routed to each local expert, in expert order.
+        in_slot: its payload is in this rank's slot ring (``payload:
+            shared``; valid until the item is replied to).
     """
 
     source: int
@@ -159,6 +168,7 @@ class WorkItem:
     hidden: torch.Tensor
     routing: Routing
     counts: tuple[int, ...]
+    in_slot: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,15 +183,29 @@ class Pending:
 
 
 class _Link:
-    """One connection of an endpoint to a peer, in async frames."""
+    """One connection of an endpoint to a peer, in async frames, and its slot
+    rings (``payload: shared``)."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, rings: Rings) -> None:
         sock, pending = channel.detach()
         self.peer = channel.peer
         self.sock = sock
         self.reader = FrameReader(sock, channel.peer, pending)
+        self.rings = rings
+        if rings.mine is not None:
+            self.reader.slot_for = rings.mine.slot
         self.lock = threading.Lock()  # one sender at a time
         self.seq = 0  # attention: items sent; ffn: not used
+        self.replied = 0  # attention: the last item whose reply was added
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor | None:
+        """The peer's slot for item ``seq``'s payload of ``nbytes``, or None
+        where it travels on the socket: no slots, too large for one, or (an
+        attention rank's item) ``DEPTH`` items of this link in flight."""
+        ring = self.rings.theirs
+        if ring is None or not ring.fits(nbytes) or self.seq - self.replied > DEPTH:
+            return None
+        return ring.slot(seq, nbytes)
 
     def send(self, parts: list[bytes | memoryview], deadline: float) -> int:
         with self.lock:
@@ -202,6 +226,7 @@ class AsyncEndpoint:
         fingerprint: Fingerprint,
         topology: Topology,
         extra: dict[str, Any],
+        max_tokens: int = 8192,
     ) -> None:
         self.name = "async"
         self.role = config.role
@@ -215,6 +240,9 @@ class AsyncEndpoint:
         self.connect_timeout_s: float = extra["connect_timeout_s"]
         self.secret = auth.load_secret(extra["secret_file"])
         self.slices = ExpertSlices(fingerprint.num_experts, topology.num_ffn_ranks)
+        #: how work items and replies travel (``async_slots``)
+        self.payload: str = extra["payload"]
+        self.max_tokens = max_tokens
         self.links: list[_Link] = []
         self._members: list[Channel] = []
         self._steps = self._a2f = self._f2a = self._errors = 0
@@ -254,14 +282,53 @@ class AsyncEndpoint:
             self._errors += 1
             raise
         self._members = joined.members
-        self.links = [_Link(ch) for ch in joined.channels]
+        try:
+            self.links = [
+                _Link(ch, self._handshake(i, ch))
+                for i, ch in enumerate(joined.channels)
+            ]
+        except BaseException:
+            self._errors += 1
+            for ch in self._members:
+                ch.close()
+            raise
         logger.info(
             "AFD connector up (async): %s rank %d, peers %s, topology %s (all to "
-            "all), experts %s of %d, protocol %d, fingerprint %s",
+            "all), experts %s of %d, payload %s, protocol %d, fingerprint %s",
             self.role.value, self.role_rank, [link.peer for link in self.links],
             topo.name, self._my_experts(), self.slices.num_experts,
-            PROTOCOL_VERSION, fp.digest,
+            self._payload_text(), PROTOCOL_VERSION, fp.digest,
         )  # fmt: skip
+
+    def _handshake(self, peer: int, channel: Channel) -> Rings:
+        """The payload plane of the connection to ``peer`` (``async_slots``):
+        an FFN rank receives work items of up to ``max_tokens`` rows into its
+        ring, an attention rank replies of as many."""
+        fp = self.fingerprint
+        dtype = getattr(torch, fp.dtype)
+        attention = self.role is AFDRole.ATTENTION
+        if attention:
+            cols = fp.moe_output_parts * fp.hidden_size
+            size = reply_ring(self.max_tokens, cols, dtype)
+            who = f"ffn rank {peer}"
+        else:
+            size = work_ring(self.max_tokens, fp.hidden_size, dtype, fp.top_k)
+            who = f"attention rank {peer}"
+        label = f"{self.role.value}{self.role_rank}-{peer}"
+        return handshake(
+            channel, self.payload, size, label, who, self.connect_timeout_s,
+            initiator=attention,
+        )  # fmt: skip
+
+    def _payload_text(self) -> str:
+        if self.payload != "shared" or not self.links:
+            return self.payload
+        ring = self.links[0].rings.mine
+        assert ring is not None
+        return (
+            f"shared ({ring.size.depth} slots of {ring.size.slot_bytes / 2**20:.1f} "
+            f"MiB per peer)"
+        )
 
     def _my_experts(self) -> str:
         if self.role is AFDRole.ATTENTION:
@@ -377,8 +444,23 @@ class AsyncAttention(AsyncEndpoint):
             raise
         finally:
             self._let_go()
-        return combine(
+        out = combine(
             pending.hidden, pending.sent, replies, pending.parts, self._buffers
+        )
+        if reply_is_output(pending.sent) and self._in_ring(out, pending.sent[0][0]):
+            out = out.clone()  # the slot is written again DEPTH replies later
+        for f, _, seq in pending.sent:  # their slots may take other items now
+            self.links[f].replied = max(self.links[f].replied, seq)
+        return out
+
+    def _in_ring(self, t: torch.Tensor, f: int) -> bool:
+        """Whether ``t`` is a view of this rank's reply ring for FFN rank ``f``."""
+        ring = self.links[f].rings.mine
+        return (
+            ring is not None
+            and t.device.type == "cpu"
+            and t.untyped_storage().data_ptr()
+            == ring.buffer.untyped_storage().data_ptr()
         )
 
     def abandon(self, pending: Pending) -> None:
@@ -427,7 +509,15 @@ class AsyncAttention(AsyncEndpoint):
                 hidden.device
             )
         groups = group_rows(owners, self.slices, routing, shared_experts)
-        bodies = [self._stage(g, hidden) for g in groups]
+        bodies = []
+        for g in groups:
+            link = self.links[g.rank]
+            link.seq += 1
+            n, k = g.ids.shape
+            slot = link.slot(
+                link.seq, n * (hidden.shape[1] * hidden.dtype.itemsize + 8 * k)
+            )
+            bodies.append(self._stage(g, hidden, slot))
         if hidden.device.type == "cuda":
             # the copies into pinned buffers were queued asynchronously on
             # this stream: wait for them once before any frame leaves
@@ -436,15 +526,18 @@ class AsyncAttention(AsyncEndpoint):
         sent = []
         for g, body in zip(groups, bodies, strict=True):
             link = self.links[g.rank]
-            link.seq += 1
-            nbytes = sum(len(b) for b in body)
+            in_slot = isinstance(body, int)
+            if isinstance(body, int):  # in the FFN rank's slot: header alone
+                nbytes, parts = body, []
+            else:
+                nbytes, parts = sum(len(b) for b in body), body
             head = encode_header(
                 FrameKind.WORK, dtype=hidden.dtype, layer=layer, seq=link.seq,
                 tokens=g.ids.shape[0], cols=hidden.shape[1], top_k=top_k,
-                counts=g.counts, nbytes=nbytes,
+                counts=g.counts, nbytes=nbytes, in_slot=in_slot,
             )  # fmt: skip
             try:
-                link.send([head, *body], deadline)
+                link.send([head, *parts], deadline)
             except AFDConnectorError:
                 self.lost_rank = g.rank
                 raise
@@ -452,21 +545,26 @@ class AsyncAttention(AsyncEndpoint):
             sent.append((g.rank, g.rows, link.seq))
         return sent
 
-    def _stage(self, group: Group, hidden: torch.Tensor) -> list[memoryview]:
-        """The payload of ``group``'s work item in host memory: the rows
-        themselves for every row of CPU ``hidden``, else the rows, ids and
-        weights copied into the FFN rank's buffer (asynchronously from a CUDA
-        device: the caller waits for the stream before sending)."""
+    def _stage(
+        self, group: Group, hidden: torch.Tensor, slot: torch.Tensor | None
+    ) -> list[memoryview] | int:
+        """The payload of ``group``'s work item in host memory: written into
+        the FFN rank's ``slot`` when there is one (its size returned), else
+        the rows themselves for every row of CPU ``hidden``, else the rows,
+        ids and weights copied into the FFN rank's buffer (asynchronously from
+        a CUDA device: the caller waits for the stream before sending)."""
         on_host = hidden.device.type == "cpu"
-        if on_host and group.rows is None:
+        if on_host and group.rows is None and slot is None:
             return payload_bytes(hidden, group.ids, group.weights)
-        pinned = hidden.device.type == "cuda"
+        pinned = hidden.device.type == "cuda" and slot is None
         n, k = group.ids.shape
         act = n * hidden.shape[1] * hidden.dtype.itemsize
-        buf = self._buffers.take(f"work{group.rank}", act + 8 * n * k, pinned)
+        if slot is not None:
+            buf = slot
+        else:
+            buf = self._buffers.take(f"work{group.rank}", act + 8 * n * k, pinned)
         rows = view_bytes(buf, 0, hidden.dtype, (n, hidden.shape[1]))
-        if on_host:
-            assert group.rows is not None  # every row was sent as is above
+        if on_host and group.rows is not None:
             torch.index_select(hidden, 0, group.rows, out=rows)
         else:
             rows.copy_(pick_rows(hidden, group.rows), non_blocking=pinned)
@@ -475,7 +573,7 @@ class AsyncAttention(AsyncEndpoint):
         view_bytes(buf, at, torch.float32, (n, k)).copy_(
             group.weights, non_blocking=pinned
         )
-        return payload_bytes(buf)
+        return buf.numel() if slot is not None else payload_bytes(buf)
 
     def _collect(
         self,
@@ -697,8 +795,9 @@ class AsyncFFN(AsyncEndpoint):
             )
         self._a2f += frame.payload.numel()
         return WorkItem(
-            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts
-        )
+            a, frame.layer, frame.seq, hidden, Routing(weights, ids), frame.counts,
+            frame.in_slot,
+        )  # fmt: skip
 
     def _buffer_for(self, a: int, nbytes: int) -> torch.Tensor:
         """The buffer a frame from attention rank ``a`` is read into: its
@@ -756,15 +855,22 @@ class AsyncFFN(AsyncEndpoint):
         is gone or reads nothing) is dropped with a warning and counted as an
         error: what the loss means is the receiving thread's to say
         (:meth:`next_item`)."""
-        body = payload_bytes(out)
-        nbytes = sum(len(b) for b in body)
+        link = self.links[item.source]
+        nbytes = out.numel() * out.dtype.itemsize
+        slot = link.slot(item.seq, nbytes)
+        if slot is not None:
+            view_bytes(slot, 0, out.dtype, (out.shape[0], out.shape[1])).copy_(out)
+            body: list[memoryview] = []
+        else:
+            body = payload_bytes(out)
         head = encode_header(
             FrameKind.REPLY, dtype=out.dtype, layer=item.layer, seq=item.seq,
             tokens=out.shape[0], cols=out.shape[1], nbytes=nbytes,
+            in_slot=slot is not None,
         )  # fmt: skip
         deadline = time.monotonic() + self.timeout_s
         try:
-            self.links[item.source].send([head, *body], deadline)
+            link.send([head, *body], deadline)
         except AFDConnectorError as e:
             self._release(item)
             # The receiving thread decides what the loss means: the rank's
@@ -811,11 +917,12 @@ def build(
     limits: ExchangeLimits,
 ) -> AsyncEndpoint:
     """Factory hook for ``async``: the endpoint's frames are host memory
-    (``device`` must be the CPU); an exchange takes rows on any device."""
+    (``device`` must be the CPU); an exchange takes rows on any device. The
+    slot rings of ``payload: shared`` hold ``limits.max_tokens`` rows."""
     if device.type != "cpu":
         raise AFDConfigError(
             f"afd.connector='async' moves CPU tensors; this endpoint's device is "
             f"{device}"
         )
     cls = AsyncAttention if config.role is AFDRole.ATTENTION else AsyncFFN
-    return cls(config, role_rank, fingerprint, topology, extra)
+    return cls(config, role_rank, fingerprint, topology, extra, limits.max_tokens)

@@ -8,7 +8,10 @@ payload::
     header (32 bytes, big-endian)
       magic    4s   b"AFDw"
       kind     u8   WORK (attention -> ffn), REPLY (ffn -> attention),
-                    SHUTDOWN (either way; payload: the reason, UTF-8)
+                    SHUTDOWN (either way; payload: the reason, UTF-8);
+                    | IN_SLOT (0x80): the payload is in the receiver's
+                    slot ring at ``seq`` (``payload: shared``,
+                    ``async_slots``), not on the connection
       dtype    u8   activation dtype code (float32, bfloat16, float16)
       layer    u16  decoder layer
       seq      u32  the sender's work-item counter on this connection; a
@@ -24,6 +27,8 @@ payload::
       WORK     hidden [T, H] dtype | topk_ids [T, K] int32 |
                topk_weights [T, K] float32
       REPLY    out [T, C] dtype
+
+A frame IN_SLOT is its header and counts alone on the connection.
 
 There is no step plan: the header says everything the FFN rank needs, and
 the sender is the connection a frame arrives on. Frames on one connection
@@ -49,6 +54,8 @@ HEADER = struct.Struct(">4sBBHIIIHHQ")
 _COUNT = struct.Struct(">I")
 #: the largest payload a frame may announce (a sanity bound: 16 GiB)
 MAX_PAYLOAD = 1 << 34
+#: the kind's flag of a frame whose payload is in the receiver's slot ring
+IN_SLOT = 0x80
 
 
 class FrameKind(enum.IntEnum):
@@ -88,6 +95,9 @@ class Frame:
     top_k: int
     counts: tuple[int, ...]
     payload: torch.Tensor  # uint8 [nbytes]
+    #: the payload is a view of the receiver's slot ring (valid until the
+    #: slot is written again, ``async_slots``)
+    in_slot: bool = False
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """WORK: (hidden, topk_ids, topk_weights); REPLY: (out,)."""
@@ -118,11 +128,13 @@ def encode_header(
     top_k: int = 0,
     counts: tuple[int, ...] = (),
     nbytes: int = 0,
+    in_slot: bool = False,
 ) -> bytes:
-    """The header and counts of one frame (its payload follows)."""
+    """The header and counts of one frame (its payload follows, unless
+    ``in_slot``: then it is in the receiver's slot of ``seq``)."""
     head = HEADER.pack(
-        MAGIC, int(kind), dtype_code(dtype), layer, seq & 0xFFFFFFFF, tokens,
-        cols, top_k, len(counts), nbytes,
+        MAGIC, int(kind) | (IN_SLOT if in_slot else 0), dtype_code(dtype), layer,
+        seq & 0xFFFFFFFF, tokens, cols, top_k, len(counts), nbytes,
     )  # fmt: skip
     return head + b"".join(_COUNT.pack(c) for c in counts)
 
@@ -150,12 +162,16 @@ class FrameReader:
             is read into, when its header is whole (default: a fresh one per
             frame; a reader whose frames are done with before the next one
             may hand out a kept buffer).
+        slot_for: ``(seq, nbytes)`` -> the view of this side's slot ring a
+            frame IN_SLOT carries its payload in; None: the connection has
+            no slot ring (``payload: socket``).
     """
 
     def __init__(self, sock: socket.socket, peer: str, pending: bytes = b"") -> None:
         self.sock, self.peer = sock, peer
         self.eof = False
         self.buffer_for: Callable[[int], torch.Tensor] = fresh_buffer
+        self.slot_for: Callable[[int, int], torch.Tensor] | None = None
         self._buf = bytearray(pending)
         self._head: tuple | None = None
         self._counts: tuple[int, ...] = ()
@@ -213,13 +229,16 @@ class FrameReader:
             n_counts, nbytes = head[8], head[9]
             if len(self._buf) < HEADER.size + 4 * n_counts:
                 return None
-            if nbytes > MAX_PAYLOAD or head[1] not in FrameKind._value2member_map_:
+            kind = head[1] & ~IN_SLOT
+            if nbytes > MAX_PAYLOAD or kind not in FrameKind._value2member_map_:
                 raise AFDProtocolError(f"{self.peer} sent a malformed frame {head!r}")
             self._counts = tuple(
                 _COUNT.unpack_from(self._buf, HEADER.size + 4 * i)[0]
                 for i in range(n_counts)
             )
             del self._buf[: HEADER.size + 4 * n_counts]
+            if head[1] & IN_SLOT:
+                return self._in_slot(head)
             self._head = head
             self._payload = self.buffer_for(nbytes)
             self._view = memoryview(self._payload.numpy()).cast("B")
@@ -240,6 +259,21 @@ class FrameReader:
         return Frame(
             FrameKind(kind), DTYPES[code], layer, seq, tokens, cols, top_k,
             self._counts, payload,
+        )  # fmt: skip
+
+    def _in_slot(self, head: tuple) -> Frame:
+        """The frame of ``head``, whose payload is in this side's slot ring."""
+        _, kind, code, layer, seq, tokens, cols, top_k, _, nbytes = head
+        if self.slot_for is None:
+            raise AFDProtocolError(
+                f"{self.peer} sent a payload in a slot ring, but this connection "
+                "has none (the roles disagree on the connector option 'payload')"
+            )
+        if code >= len(DTYPES):
+            raise AFDProtocolError(f"{self.peer} sent unknown dtype code {code}")
+        return Frame(
+            FrameKind(kind & ~IN_SLOT), DTYPES[code], layer, seq, tokens, cols,
+            top_k, self._counts, self.slot_for(seq, nbytes), in_slot=True,
         )  # fmt: skip
 
 

@@ -178,6 +178,15 @@ _SPECS: tuple[ConnectorSpec, ...] = (
         aliases=(),
         options={
             **_TIMEOUTS,
+            "payload": Option(
+                str,
+                "socket",
+                "how work items' rows and replies travel: socket (on the TCP "
+                "connection, any hosts) or shared (the receiver's slot ring in "
+                "shared memory, only the header on the connection; every role "
+                "on one host)",
+                ("socket", "shared"),
+            ),
             "secret_file": _SECRET_FILE,
         },
         builder="vllm_afd.connector.async_ep:build",
@@ -365,10 +374,14 @@ def create_connector(
 
 
 def create_async_endpoint(
-    config: AFDConfig, role_rank: int, fingerprint: Fingerprint
+    config: AFDConfig,
+    role_rank: int,
+    fingerprint: Fingerprint,
+    limits: ExchangeLimits | None = None,
 ) -> AsyncEndpoint:
     """Build (not start) this process's endpoint of the ``async`` connector
-    (``connector.async_ep``); arguments as :func:`create_connector`.
+    (``connector.async_ep``); arguments as :func:`create_connector`
+    (``limits.max_tokens`` sizes the slot rings of ``payload: shared``).
 
     Raises:
         AFDConfigError: bad rank or options, a synchronous connector, or more
@@ -382,5 +395,5 @@ def create_async_endpoint(
     build = s.load_builder()
     return build(
         config, role_rank, fingerprint, torch.device("cpu"), topology, extra,
-        ExchangeLimits(),
+        limits or ExchangeLimits(),
     )  # fmt: skip

@@ -295,7 +295,9 @@ def open_async_link(
     afd, rank = endpoint.afd, endpoint.role_rank
 
     def reconnect() -> AsyncAttention:
-        work = factory.create_async_endpoint(afd, rank, endpoint.fingerprint)
+        work = factory.create_async_endpoint(
+            afd, rank, endpoint.fingerprint, endpoint.limits
+        )
         assert isinstance(work, AsyncAttention)
         work.start()
         return work

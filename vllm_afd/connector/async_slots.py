@@ -1,0 +1,266 @@
+"""Slot rings of the ``async`` connector's ``payload: shared`` plane.
+
+With ``payload: socket`` (the default) a work item's rows and its reply's
+output travel on the TCP connection behind the frame's header. With
+``payload: shared`` (every role on one host) only the header does: each
+receiver keeps, per peer, a ring of slots in a shared-memory file, the sender
+writes the payload into the slot of the item's sequence number and sends the
+header with :data:`~vllm_afd.connector.async_wire.IN_SLOT` set. An FFN rank
+keeps one work ring per attention rank, an attention rank one reply ring per
+FFN rank; both are mapped by the peer at the handshake (:func:`handshake`)
+and their files unlinked once both sides hold them, so nothing is left
+behind whatever ends the processes.
+
+A slot is reused ``depth`` items later. The attention rank never has more
+than ``depth`` items in flight to one FFN rank (it reads a reply before it
+sends the item that reuses its slot, and with more in flight it sends the
+next one on the socket), so an FFN rank has read an item's slot before it is
+written again; an attention rank reads each reply before its slot is written
+again the same way. A payload larger than the peer's slot travels on the
+socket, as with ``payload: socket``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_afd.connector.ipc_layout import this_host
+from vllm_afd.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
+
+if TYPE_CHECKING:
+    from vllm_afd.connector.p2p_wire import Channel
+
+#: where ring files are made: shared memory where the host has it
+SHM_DIR = "/dev/shm"
+#: the payload planes (the connector option ``payload``)
+PAYLOADS = ("socket", "shared")
+#: slots per ring: items one attention rank may have in flight to one FFN
+#: rank with their payload in slots (a step cut in two stages has two)
+DEPTH = 2
+
+
+@dataclass(frozen=True)
+class RingSize:
+    """A receiver's ring: ``depth`` slots of ``slot_bytes`` each."""
+
+    depth: int
+    slot_bytes: int
+
+
+def work_ring(max_tokens: int, hidden: int, dtype: torch.dtype, top_k: int) -> RingSize:
+    """An FFN rank's ring for one attention rank: room for an item of
+    ``max_tokens`` rows (rows, int32 ids and float32 weights)."""
+    return RingSize(DEPTH, max_tokens * (hidden * dtype.itemsize + 8 * top_k))
+
+
+def reply_ring(max_tokens: int, cols: int, dtype: torch.dtype) -> RingSize:
+    """An attention rank's ring for one FFN rank: room for a reply of
+    ``max_tokens`` rows of ``cols`` columns."""
+    return RingSize(DEPTH, max_tokens * cols * dtype.itemsize)
+
+
+class SlotRing:
+    """``depth`` slots of ``slot_bytes`` in a shared-memory file, mapped.
+
+    The side that receives into the ring makes it (:meth:`create`), the
+    sender maps the same file (:meth:`open`); :meth:`unlink` removes the
+    file once both hold it (the mapping outlives the name).
+    """
+
+    def __init__(self, path: str, size: RingSize, owner: bool) -> None:
+        self.path, self.size, self.owner = path, size, owner
+        total = size.depth * size.slot_bytes
+        self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        self._linked = owner
+
+    @classmethod
+    def create(cls, size: RingSize, label: str) -> SlotRing:
+        """A new ring in a new file, its space reserved now.
+
+        Raises:
+            AFDConfigError: the file system has no room for it (its size and
+                where, and what to do).
+        """
+        where = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix=f"vllm-afd-{label}-", dir=where)
+        total = size.depth * size.slot_bytes
+        try:
+            os.posix_fallocate(fd, 0, max(total, 1))
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise AFDConfigError(
+                f"the async connector's payload 'shared' could not reserve "
+                f"{total / 2**20:.1f} MiB in {where} for a ring of {size.depth} "
+                f"slots ({e.strerror}): make room there (a container's "
+                "--shm-size), lower max_num_batched_tokens, or set "
+                "payload 'socket'"
+            ) from None
+        os.close(fd)
+        try:
+            return cls(path, size, owner=True)
+        except BaseException:
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def open(cls, record: dict[str, Any]) -> SlotRing:
+        """The peer's ring of :meth:`record`.
+
+        Raises:
+            AFDConnectorError: its file is gone or smaller than announced.
+        """
+        size = RingSize(int(record["depth"]), int(record["slot_bytes"]))
+        path = str(record["path"])
+        try:
+            held = os.stat(path).st_size
+        except OSError as e:
+            raise AFDConnectorError(
+                f"cannot map the peer's slot ring {path} ({e.strerror})"
+            ) from None
+        if held < size.depth * size.slot_bytes:
+            raise AFDConnectorError(
+                f"the peer's slot ring {path} holds {held} bytes, not the "
+                f"{size.depth * size.slot_bytes} it announced"
+            )
+        return cls(path, size, owner=False)
+
+    def record(self) -> dict[str, Any]:
+        """What the peer needs to map this ring (JSON-able)."""
+        return {
+            "path": self.path,
+            "depth": self.size.depth,
+            "slot_bytes": self.size.slot_bytes,
+        }
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.size.slot_bytes
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        """``[nbytes]`` uint8 view of the slot of item ``seq``.
+
+        Raises:
+            AFDProtocolError: ``nbytes`` exceeds a slot.
+        """
+        if not self.fits(nbytes):
+            raise AFDProtocolError(
+                f"a payload of {nbytes} bytes does not fit the slots of "
+                f"{self.size.slot_bytes} bytes of ring {self.path}"
+            )
+        at = (seq % self.size.depth) * self.size.slot_bytes
+        return self.buffer[at : at + nbytes]
+
+    def unlink(self) -> None:
+        """Remove the ring's file (the owner's, once the peer mapped it;
+        idempotent)."""
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+@dataclass
+class Rings:
+    """One connection's rings: ``mine`` receives from the peer, ``theirs``
+    is the peer's, which this side writes into (both None with ``payload:
+    socket``)."""
+
+    mine: SlotRing | None = None
+    theirs: SlotRing | None = None
+
+
+def handshake(
+    channel: Channel,
+    payload: str,
+    size: RingSize,
+    label: str,
+    who: str,
+    timeout_s: float,
+    *,
+    initiator: bool,
+) -> Rings:
+    """Agree with the peer on ``channel`` on the payload plane and map each
+    other's ring (``size``: of the ring this side receives into), on the
+    rendezvous connection before it carries frames.
+
+    The attention rank is the ``initiator``: it sends work items, the FFN
+    rank only answers them, so the FFN rank speaks last and no frame can
+    follow a message of the handshake into the same read::
+
+        attention                          ffn
+        SETUP payload, host, ring   ──▶
+                                    ◀──    SETUP payload, host, ring (it
+                                           mapped the attention's)
+        (maps the FFN's, unlinks its own)
+        SETUP mapped                ──▶    (unlinks its own)
+                                    ◀──    SETUP ready
+
+    Raises:
+        AFDConfigError: the two sides set ``payload`` otherwise, or are on
+            other hosts with ``payload: shared`` (both named).
+        AFDTimeoutError: the peer said nothing in ``timeout_s``.
+        AFDConnectorError: the peer's ring cannot be mapped.
+    """
+    deadline = time.monotonic() + timeout_s
+    mine = SlotRing.create(size, label) if payload == "shared" else None
+
+    def setup() -> dict[str, Any]:
+        return {
+            "type": SETUP,
+            "payload": payload,
+            "host": this_host(),
+            "ring": mine.record() if mine else None,
+        }
+
+    def recv(what: str) -> dict[str, Any]:
+        return channel.recv(deadline, f"{what} from {who}", timeout_s)
+
+    rings = Rings(mine)
+    try:
+        if initiator:
+            channel.send(setup())
+            theirs = recv("the payload plane")
+            _check_peer(theirs, payload, who)
+            if payload == "shared":
+                rings.theirs = SlotRing.open(theirs["ring"])
+            channel.send({"type": SETUP, "mapped": True})
+            recv("the end of the payload handshake")
+        else:
+            theirs = recv("the payload plane")
+            same_host = theirs.get("host") == this_host()
+            if theirs.get("payload") == payload == "shared" and same_host:
+                rings.theirs = SlotRing.open(theirs["ring"])
+            channel.send(setup())
+            _check_peer(theirs, payload, who)
+            recv("the payload ring mapped")
+            channel.send({"type": SETUP, "ready": True})
+    finally:
+        if mine is not None:
+            mine.unlink()  # the peer holds it now, or never will
+    return rings
+
+
+#: the control message type of the handshake's messages
+SETUP = "SETUP"
+
+
+def _check_peer(theirs: dict[str, Any], payload: str, who: str) -> None:
+    if theirs.get("payload") != payload:
+        raise AFDConfigError(
+            f"the async connector's payload plane differs: {payload!r} here, "
+            f"{theirs.get('payload')!r} on {who}; set the same connector option "
+            "'payload' on every role"
+        )
+    if payload == "shared" and theirs.get("host") != this_host():
+        raise AFDConfigError(
+            f"the async connector's payload 'shared' needs every role on one "
+            f"host: this one is {this_host()}, {who} is on {theirs.get('host')}; "
+            "set payload 'socket'"
+        )
