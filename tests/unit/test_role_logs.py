@@ -150,3 +150,31 @@ def test_the_failed_role_is_named_even_when_its_peer_exits_first(tmp_path):
     assert str(err.value).startswith(
         "the attention process exited with code 1: ValueError: Available memory"
     ), err.value
+
+
+def test_a_sink_closed_while_the_role_writes_is_dropped_and_the_pipe_drained(
+    tmp_path,
+):
+    """The caller closes its console sink while the role still writes (a test
+    or a launcher that stopped watching): the pump stops writing there, keeps
+    its full log and drains the pipe, so the role is never blocked on it."""
+    chatty = (
+        "import sys, time\n"
+        "for i in range(4000):\n"
+        "    print('line', i, 'x' * 200, flush=True)\n"
+        "    if i == 10: time.sleep(0.3)\n"
+    )
+    proc = RoleProcess(
+        "ffn", [sys.executable, "-c", chatty], 1, {}, log_file=tmp_path / "f.log"
+    )
+    console = io.StringIO()
+    proc.start(console)
+    deadline = time.monotonic() + 10
+    while "line 5 " not in console.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    console.close()  # 1 MiB still to come: more than a pipe holds
+    assert proc.proc is not None and proc.proc.wait(30) == 0
+    assert proc._pump is not None
+    proc._pump.join(10)
+    assert not proc._pump.is_alive()
+    assert "line 3999 " in (tmp_path / "f.log").read_text()

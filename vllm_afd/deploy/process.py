@@ -123,8 +123,14 @@ class RoleProcess:
                     file.write(line)
                     file.flush()
                 if log is not None:
-                    log.write(prefix + line)
-                    log.flush()
+                    try:
+                        log.write(prefix + line)
+                        log.flush()
+                    except (ValueError, OSError):
+                        # the caller closed its sink (it stopped watching this
+                        # process): keep draining the pipe, so that the
+                        # process never blocks writing to it
+                        log = None
         finally:
             if file is not None:
                 file.close()
