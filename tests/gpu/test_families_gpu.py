@@ -6,8 +6,9 @@ expert input), Granite-MoE-Shared (a shared MLP beside the MoE block),
 Qwen3-Next (gated delta-net linear attention, its state on the attention
 role), EXAONE-MoE, Cohere2-MoE, Gemma 4 and MiMo-V2-Flash; on CPU they are
 checked in tests/e2e/test_families.py. Three families plain vLLM serves on
-GPUs only are checked here alone: MiniMax-M2 and Step-3.5 (plain vLLM's CPU
-router takes no sigmoid scores with a bias), Qwen3.5-MoE (vLLM's module
+GPUs only are checked here alone: MiniMax-M2 (plain vLLM's CPU router takes
+no sigmoid scores with a bias; Step-3.5, which is in the list too, gives plain
+vLLM's NaN logprobs and is skipped), Qwen3.5-MoE (vLLM's module
 imports its vision model, which needs torchvision) and Granite 4
 (Granite-MoE-Hybrid: plain vLLM's CPU Mamba2 layer fails on all but short
 prompts). MiniMax-M2 runs in its
@@ -49,6 +50,18 @@ FAMILIES = (
     "step3p5",
     "granitemoehybrid",
 )
+#: families with no plain vLLM reference on a GPU: skipped, the reason given
+NO_REFERENCE = {
+    "step3p5": "on one H100 plain vLLM 0.32's own answers on this checkpoint "
+    "carry NaN logprobs, with batch-invariant kernels and without "
+    "(docs/models.md)",
+}
+CASES = [
+    pytest.param(a, marks=pytest.mark.skip(reason=NO_REFERENCE[a]))
+    if a in NO_REFERENCE
+    else a
+    for a in FAMILIES
+]
 #: vLLM arguments a family needs on a GPU, on AFD and plain alike: the gated
 #: delta-net families take vLLM's Triton prefill kernel, since flashinfer's
 #: (the default on Hopper) imports the CUTLASS DSL package, which vLLM's
@@ -62,9 +75,7 @@ EXTRA_ARGS = {
 #: the step's row count, and sigmoid scores with a bias turn the last bit into
 #: another expert. The same settings gave MiniMax-M2 15/16 and 16/16 identical
 #: in two runs on one H200, and EXAONE-MoE 14/16 on one H100. Every server of
-#: such a family runs vLLM's batch-invariant kernels. Not Step-3.5: with them
-#: plain vLLM's own answers carried NaN logprobs on one H100 (its first
-#: workload failed: "Out of range float values are not JSON compliant: nan").
+#: such a family runs vLLM's batch-invariant kernels.
 BATCH_VARIANT = {"exaone_moe", "minimax_m2"}
 BATCH_INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 
@@ -79,10 +90,11 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             root / arch, arch=arch, num_layers=4, dtype="bfloat16"
         )
         for arch in FAMILIES
+        if arch not in NO_REFERENCE
     }
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", CASES)
 def test_family_1a1f_on_one_gpu_equals_plain_vllm(
     family_models: dict[str, Path], tmp_path: Path, arch: str, mps: None
 ) -> None:
