@@ -61,12 +61,21 @@ def test_the_synchronous_connector_runs_at_most_a_ffn_ranks():
     assert spec.gate_on_attention
     staged = bt._afd_spec(ns, "async+stages")
     assert (staged.ffn_ranks, staged.connector, staged.ubatches) == (2, "async", 2)
+    assert staged.connector_extra_config == {}
+    both = bt._afd_spec(ns, "async+shared+stages")
+    assert both.ubatches == 2 and both.connector_extra_config == {"payload": "shared"}
+    assert bt._afd_spec(ns, "async+shared").ubatches == 1
 
 
-def test_an_unknown_connector_variant_is_refused_before_any_server_starts(capsys):
-    args = build_parser().parse_args(["bench-ttft", "m", "--connectors", "p2p+x"])
+@pytest.mark.parametrize("entry", ["p2p+stages", "async+x", "async+shared+shared"])
+def test_an_unknown_connector_variant_is_refused_before_any_server_starts(
+    capsys, entry
+):
+    args = build_parser().parse_args(["bench-ttft", "m", "--connectors", entry])
     assert bt.run_bench_ttft(args) == 2
-    assert "the only variant is async+stages" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--connectors entry {entry!r}" in err, err
+    assert "the variants are async+stages, async+shared" in err, err
 
 
 def test_each_run_has_a_cache_salt_vllm_accepts_and_failures_are_shown():

@@ -68,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--connectors",
         default="p2p,async",
         help="comma-separated AFD connectors to compare with plain vLLM "
-        "(default p2p,async; async+stages: async with afd.num_ubatches 2)",
+        "(default p2p,async; async+stages: async with afd.num_ubatches 2; "
+        "async+shared: its payloads in shared memory; both: async+shared+stages)",
     )
     p.add_argument(
         "--rates", default="1,2,4", help="comma-separated request rates, req/s"
@@ -206,24 +207,35 @@ def cache_salt(target: str, rate: float) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{target}-{rate:g}")[:128]
 
 
+#: the ``--connectors`` variants of ``async``: what each adds
+ASYNC_VARIANTS = ("stages", "shared")
+
+
 def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:
-    """The deployment of one ``--connectors`` entry: a connector, or
-    ``async+stages`` (``async`` with ``afd.num_ubatches`` 2)."""
-    connector, plus, variant = connector.partition("+")
-    if plus and (connector, variant) != ("async", "stages"):
+    """The deployment of one ``--connectors`` entry: a connector, or ``async``
+    with variants joined by ``+``: ``stages`` (``afd.num_ubatches`` 2),
+    ``shared`` (connector option ``payload: shared``), e.g.
+    ``async+shared+stages``."""
+    connector, *variants = connector.split("+")
+    wrong = [v for v in variants if v not in ASYNC_VARIANTS or variants.count(v) > 1]
+    if variants and (connector != "async" or wrong):
         raise ValueError(
-            f"--connectors entry {connector}{plus}{variant!r}: the only variant "
-            "is async+stages"
+            f"--connectors entry {'+'.join([connector, *variants])!r}: the "
+            f"variants are async+{', async+'.join(ASYNC_VARIANTS)} (or both, "
+            "async+shared+stages)"
         )
     ffn = args.ffn_ranks
     if connector != "async":
         ffn = min(ffn, args.attention_ranks)  # the synchronous topology: A >= F
+    options = {"payload": "shared"} if "shared" in variants else {}
     return DeploymentSpec(
         model=args.model, attention_ranks=args.attention_ranks, ffn_ranks=ffn,
         port=args.port, afd_port=args.afd_port, connector=connector,
         gate_on_attention=True, vllm_args=list(args.vllm_args),
-        ready_timeout_s=args.ready_timeout, ubatches=2 if variant else 1,
+        ready_timeout_s=args.ready_timeout,
+        ubatches=2 if "stages" in variants else 1,
         cpu_bind=getattr(args, "cpu_bind", "vllm"),
+        connector_extra_config=options,
     ).with_default_devices()  # fmt: skip
 
 
