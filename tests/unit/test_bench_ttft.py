@@ -104,3 +104,54 @@ def test_the_breakdown_is_the_counters_growth_per_completed_request():
     row = {"target": "AFD async 1A2F", "rate": 2.0, **bt.figures([0.2], 0, 1.0, 1.0)}
     table = bt.format_table(bt.with_ratios([{**row, **parts}]), 1000.0)
     assert "wait    125.0 ms  ffn     50.0 ms  a2f    1.00 MiB" in table
+
+
+def test_a_mixed_workload_draws_its_decode_requests_and_reports_their_tpot():
+    import random
+
+    from vllm_afd.cli.bench_workload import RequestResult
+
+    decode = bt.decode_indices(20, 0.25, random.Random(1))
+    assert len(decode) == 5 and decode <= set(range(20))
+    assert decode == bt.decode_indices(20, 0.25, random.Random(1))  # seeded
+    assert bt.decode_indices(20, 0.0, random.Random(1)) == set()
+    results = [
+        RequestResult(0, 8, 4, token_gaps_s=(0.01, 0.03, 0.02)),  # TPOT 20 ms
+        RequestResult(1, 8, 4, token_gaps_s=(0.04, 0.04, 0.04)),  # TPOT 40 ms
+        RequestResult(2, 8, 0, error="HTTPError: 503"),
+        RequestResult(3, 900, 1, ttft_s=0.5),  # a long prompt: not counted
+    ]
+    row = bt.tpot_figures(results, {0, 1, 2})
+    assert (row["decode_requests"], row["decode_failed"]) == (3, 1)
+    assert row["tpot_p50_ms"] == pytest.approx(30.0)
+    assert row["tpot_p90_ms"] == pytest.approx(38.0)
+    table = bt.format_table(
+        bt.with_ratios([{"target": bt.PLAIN, "rate": 1.0,
+                         **bt.figures([0.5], 0, 1.0, 1.0), **row}]),
+        1000.0,
+    )  # fmt: skip
+    assert "decode requests of the mixed workload: TPOT p50, p90 (ms), failed" in table
+    assert "30.0" in table and "1 of 3" in table
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--decode-share", "1"], "--decode-share=1 must be at least 0 and below 1"),
+        (
+            ["--decode-share", "0.01", "--num-requests", "10"],
+            "--decode-share=0.01 of --num-requests=10 is no request",
+        ),
+        (
+            ["--decode-share", "0.5", "--decode-output-len", "fixed:1"],
+            "--decode-output-len=fixed:1 must give every decode request 2 new",
+        ),
+        (["--decode-share", "0.5", "--decode-input-len", "x:1"], "decode_input_len"),
+    ],
+)
+def test_bad_mixed_workload_flags_are_refused_before_any_server_starts(
+    capsys, flags, message
+):
+    args = build_parser().parse_args(["bench-ttft", "m", *flags])
+    assert bt.run_bench_ttft(args) == 2
+    assert message in capsys.readouterr().err

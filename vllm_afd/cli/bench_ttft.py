@@ -17,6 +17,12 @@ dispatch, the FFN ranks' work and the combine's wait together),
 ``ffn_ms`` (FFN ranks' compute, summed over ranks) and ``a2f_mib``
 (attention-to-FFN payload).
 
+A mixed workload (``--decode-share``) puts decode requests (a short prompt,
+``--decode-output-len`` new tokens) into the same stream: the TTFT figures
+are then the long prompts', and each row also holds the decode requests'
+TPOT p50 and p90 (``tpot_p50_ms``, ``tpot_p90_ms``): what a long prefill
+costs the decoding requests beside it.
+
 Each (target, rate) run uses prompts of its own prefix-cache salt, so no
 run reads another's cached prefixes. The synchronous connector (``p2p``)
 runs with the gate on attention and at most A FFN ranks (it needs A >= F);
@@ -78,6 +84,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", default="fixed:256", help="fixed:N, uniform:A:B")
     p.add_argument("--output-len", default="fixed:1", help="fixed:N (1: prefill)")
     p.add_argument(
+        "--decode-share",
+        type=float,
+        default=0.0,
+        help="mixed workload: this share of each rate's requests (0 to 1, "
+        "exclusive) are decode requests (--decode-input-len prompt, "
+        "--decode-output-len new tokens) in the same Poisson stream; their "
+        "TPOT is reported beside the long prompts' TTFT",
+    )
+    p.add_argument(
+        "--decode-input-len", default="fixed:32", help="fixed:N, uniform:A:B"
+    )
+    p.add_argument("--decode-output-len", default="fixed:64", help="fixed:N (>= 2)")
+    p.add_argument(
         "--slo-ms", type=float, default=1000.0, help="TTFT SLO for attainment"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -95,6 +114,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _note(text: str) -> None:
     print(f"vllm-afd bench-ttft: {text}", file=sys.stderr, flush=True)
+
+
+def _check_mix(args: argparse.Namespace) -> None:
+    """The mixed workload's flags make sense, or ValueError naming them."""
+    share = args.decode_share
+    if not 0 <= share < 1:
+        raise ValueError(f"--decode-share={share:g} must be at least 0 and below 1")
+    if share == 0:
+        return
+    if round(share * args.num_requests) == 0:
+        raise ValueError(
+            f"--decode-share={share:g} of --num-requests={args.num_requests} is "
+            "no request: raise either"
+        )
+    parse_lengths(args.decode_input_len, "decode_input_len")
+    out = parse_lengths(args.decode_output_len, "decode_output_len")
+    if min(out.sample(64, random.Random(0))) < 2:
+        raise ValueError(
+            f"--decode-output-len={args.decode_output_len} must give every decode "
+            "request 2 new tokens at least (a TPOT is a gap between two)"
+        )
 
 
 def _floats(flag: str, text: str) -> list[float]:
@@ -118,6 +158,27 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(at)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
+def decode_indices(n: int, share: float, rng: random.Random) -> set[int]:
+    """Which of ``n`` requests are the decode requests of a mixed workload:
+    ``round(share * n)`` of them, drawn by ``rng``, spread over the stream."""
+    return set(rng.sample(range(n), round(share * n)))
+
+
+def tpot_figures(results: list, decode: set[int]) -> dict:
+    """The decode requests' figures: each request's TPOT (its mean gap
+    between two streamed tokens), their p50 and p90 over the requests (ms),
+    and how many of them were sent and failed."""
+    mine = [r for r in results if r.index in decode]
+    tpots = [sum(r.token_gaps_s) / len(r.token_gaps_s) for r in mine
+             if r.error is None and r.token_gaps_s]  # fmt: skip
+    return {
+        "decode_requests": len(mine),
+        "decode_failed": sum(r.error is not None for r in mine),
+        "tpot_p50_ms": percentile(tpots, 50) * 1e3 if tpots else None,
+        "tpot_p90_ms": percentile(tpots, 90) * 1e3 if tpots else None,
+    }
 
 
 def figures(ttfts: list[float], failed: int, duration_s: float, slo_s: float) -> dict:
@@ -178,6 +239,14 @@ def _measure(
     n = args.num_requests
     ins = parse_lengths(args.input_len, "input_len").sample(n, rng)
     outs = parse_lengths(args.output_len, "output_len").sample(n, rng)
+    decode = decode_indices(n, args.decode_share, random.Random(args.seed + 1))
+    if decode:  # the mixed workload: these requests decode, the rest prefill
+        d_in = parse_lengths(args.decode_input_len, "decode_input_len")
+        d_out = parse_lengths(args.decode_output_len, "decode_output_len")
+        d_rng = random.Random(args.seed + 2)
+        for i in sorted(decode):
+            ins[i] = d_in.sample(1, d_rng)[0]
+            outs[i] = d_out.sample(1, d_rng)[0]
     base = build_requests(url, served, ins, outs, args.seed)
     for req in base[: args.warmup]:
         warm = Request(0, req.prompt[::-1], 1, salt="warm-up")
@@ -191,9 +260,12 @@ def _measure(
             name, url, served, salted, concurrency=None, rate=rate,
             seed=args.seed, progress=False,
         )  # fmt: skip
-        ttfts = [r.ttft_s for r in run.ok if r.ttft_s is not None]
-        failed = len(run.requests) - len(ttfts)
+        long = [r for r in run.requests if r.index not in decode]
+        ttfts = [r.ttft_s for r in long if r.error is None and r.ttft_s is not None]
+        failed = len(long) - len(ttfts)
         row = figures(ttfts, failed, run.duration_s, args.slo_ms / 1e3)
+        if decode:
+            row.update(tpot_figures(list(run.requests), decode))
         if before is not None and role_urls:
             row.update(breakdown(before, afd_counters(role_urls), len(ttfts)))
         error = next((r.error for r in run.requests if r.error), None)
@@ -269,6 +341,17 @@ def format_table(rows: list[dict], slo_ms: float) -> str:
             f"{r['failed']:>6}  {f'{ratio:.2f}x' if ratio is not None else '-'}"
         )
     lines.append(f"SLO: TTFT <= {slo_ms:g} ms (failed requests miss it)")
+    mixed = [r for r in rows if r.get("decode_requests")]
+    if mixed:
+        lines.append(
+            "decode requests of the mixed workload: TPOT p50, p90 (ms), failed"
+        )
+        for r in sorted(mixed, key=lambda r: (r["rate"], r["target"])):
+            lines.append(
+                f"{r['rate']:>6g}  {r['target']:<{w}} {ms(r['tpot_p50_ms'])} "
+                f"{ms(r['tpot_p90_ms'])} {r['decode_failed']:>6} of "
+                f"{r['decode_requests']}"
+            )
     parts = [r for r in rows if r.get("wait_ms") is not None]
     if parts:
         lines.append("per request (AFD counters): connector wait, FFN compute, A2F")
@@ -324,6 +407,7 @@ def run_bench_ttft(args: argparse.Namespace) -> int:
         connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
         if args.num_requests <= 0:
             raise ValueError(f"--num-requests={args.num_requests} must be positive")
+        _check_mix(args)
         for connector in connectors:
             _afd_spec(args, connector)  # refuses an unknown variant now
     except ValueError as exc:
