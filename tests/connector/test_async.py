@@ -563,6 +563,36 @@ def test_two_stages_in_flight_read_their_own_replies_and_the_watch_waits(payload
         t.join(10)
 
 
+def test_shared_payload_sends_a_third_item_in_flight_and_its_reply_on_the_socket():
+    """Three exchanges of 1A1F dispatched before any is finished, on
+    ``payload: shared``: the two rings hold two items each, so the third
+    item and its reply travel on the socket, and each finish reads its own
+    reply, exact (the third reply must not overwrite the first's slot)."""
+    att, (ffn,) = _pair(payload="shared")
+    seen: list = []
+    in_slot: list[bool] = []
+
+    def serve() -> None:
+        while (item := ffn.next_item()) is not None:
+            in_slot.append(item.in_slot)
+            ffn.reply(item, _expert_sum(item.hidden, item.routing))
+            seen.append(item.seq)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    stages = [_inputs(0, 0, 1, n) for n in (5, 3, 4)]
+    pending = [att.dispatch(1, h, r, 1, False, 10.0) for h, r in stages]
+    deadline = time.monotonic() + 10
+    while len(seen) < 3 and time.monotonic() < deadline:  # every reply sent
+        time.sleep(0.01)
+    assert in_slot == [True, True, False], in_slot
+    for p, (hidden, routing) in zip(pending, stages, strict=True):
+        out = att.finish(p, 10.0)
+        assert torch.equal(out, _expert_sum(hidden, routing))
+    att.close()
+    server.join(10)
+
+
 def _serve_items(ffn, seen: list) -> None:
     while (item := ffn.next_item()) is not None:
         ffn.reply(item, _expert_sum(item.hidden, item.routing))

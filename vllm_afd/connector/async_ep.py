@@ -857,7 +857,10 @@ class AsyncFFN(AsyncEndpoint):
         (:meth:`next_item`)."""
         link = self.links[item.source]
         nbytes = out.numel() * out.dtype.itemsize
-        slot = link.slot(item.seq, nbytes)
+        # in a slot only when the item came in one: the attention rank sent
+        # it so because its reply slot is free (a third item in flight came
+        # on the socket, and its reply goes back there)
+        slot = link.slot(item.seq, nbytes) if item.in_slot else None
         if slot is not None:
             view_bytes(slot, 0, out.dtype, (out.shape[0], out.shape[1])).copy_(out)
             body: list[memoryview] = []

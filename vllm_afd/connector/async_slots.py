@@ -16,8 +16,9 @@ than ``depth`` items in flight to one FFN rank (it reads a reply before it
 sends the item that reuses its slot, and with more in flight it sends the
 next one on the socket), so an FFN rank has read an item's slot before it is
 written again; an attention rank reads each reply before its slot is written
-again the same way. A payload larger than the peer's slot travels on the
-socket, as with ``payload: socket``.
+again the same way: an FFN rank replies in a slot only to an item that
+came in one. A payload larger than the peer's slot travels on the socket, as
+with ``payload: socket``, and so does the reply to an item that did.
 """
 
 from __future__ import annotations
