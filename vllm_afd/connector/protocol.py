@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from vllm_afd.errors import AFDProtocolError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 #: the first field of every WELCOME: tells a vllm-afd listener from any other
 MAGIC = "vllm-afd"
