@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_afd.connector.ipc_layout import this_host
+from vllm_afd.connector.protocol import MsgType
 from vllm_afd.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
 
 if TYPE_CHECKING:
@@ -210,11 +211,12 @@ def handshake(
         AFDConnectorError: the peer's ring cannot be mapped.
     """
     deadline = time.monotonic() + timeout_s
+    setup_type = MsgType.SETUP.value  # the control messages' own SETUP type
     mine = SlotRing.create(size, label) if payload == "shared" else None
 
     def setup() -> dict[str, Any]:
         return {
-            "type": SETUP,
+            "type": setup_type,
             "payload": payload,
             "host": this_host(),
             "ring": mine.record() if mine else None,
@@ -231,7 +233,7 @@ def handshake(
             _check_peer(theirs, payload, who)
             if payload == "shared":
                 rings.theirs = SlotRing.open(theirs["ring"])
-            channel.send({"type": SETUP, "mapped": True})
+            channel.send({"type": setup_type, "mapped": True})
             recv("the end of the payload handshake")
         else:
             theirs = recv("the payload plane")
@@ -241,15 +243,11 @@ def handshake(
             channel.send(setup())
             _check_peer(theirs, payload, who)
             recv("the payload ring mapped")
-            channel.send({"type": SETUP, "ready": True})
+            channel.send({"type": setup_type, "ready": True})
     finally:
         if mine is not None:
             mine.unlink()  # the peer holds it now, or never will
     return rings
-
-
-#: the control message type of the handshake's messages
-SETUP = "SETUP"
 
 
 def _check_peer(theirs: dict[str, Any], payload: str, who: str) -> None:
