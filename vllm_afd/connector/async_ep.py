@@ -76,6 +76,7 @@ from vllm_afd.connector.async_slots import (
     DEPTH,
     Rings,
     handshake,
+    item_bytes,
     reply_ring,
     work_ring,
 )
@@ -514,9 +515,8 @@ class AsyncAttention(AsyncEndpoint):
             link = self.links[g.rank]
             link.seq += 1
             n, k = g.ids.shape
-            slot = link.slot(
-                link.seq, n * (hidden.shape[1] * hidden.dtype.itemsize + 8 * k)
-            )
+            size = item_bytes(n, hidden.shape[1], hidden.dtype, k)
+            slot = link.slot(link.seq, size)
             bodies.append(self._stage(g, hidden, slot))
         if hidden.device.type == "cuda":
             # the copies into pinned buffers were queued asynchronously on
@@ -558,11 +558,12 @@ class AsyncAttention(AsyncEndpoint):
             return payload_bytes(hidden, group.ids, group.weights)
         pinned = hidden.device.type == "cuda" and slot is None
         n, k = group.ids.shape
-        act = n * hidden.shape[1] * hidden.dtype.itemsize
+        act = n * hidden.shape[1] * hidden.dtype.itemsize  # the rows' bytes
         if slot is not None:
             buf = slot
         else:
-            buf = self._buffers.take(f"work{group.rank}", act + 8 * n * k, pinned)
+            size = item_bytes(n, hidden.shape[1], hidden.dtype, k)
+            buf = self._buffers.take(f"work{group.rank}", size, pinned)
         rows = view_bytes(buf, 0, hidden.dtype, (n, hidden.shape[1]))
         if on_host and group.rows is not None:
             torch.index_select(hidden, 0, group.rows, out=rows)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_afd.connector.factory import ASYNC_PAYLOADS
 from vllm_afd.connector.ipc_layout import this_host
 from vllm_afd.connector.protocol import MsgType
 from vllm_afd.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 #: where ring files are made: shared memory where the host has it
 SHM_DIR = "/dev/shm"
 #: the payload planes (the connector option ``payload``)
-PAYLOADS = ("socket", "shared")
+PAYLOADS = ASYNC_PAYLOADS
 #: slots per ring: items one attention rank may have in flight to one FFN
 #: rank with their payload in slots (a step cut in two stages has two)
 DEPTH = 2
@@ -56,10 +57,16 @@ class RingSize:
     slot_bytes: int
 
 
+def item_bytes(tokens: int, hidden: int, dtype: torch.dtype, top_k: int) -> int:
+    """A work item's payload: ``tokens`` rows of ``hidden`` values, then
+    their top-k ids (int32) and weights (float32)."""
+    return tokens * (hidden * dtype.itemsize + 8 * top_k)
+
+
 def work_ring(max_tokens: int, hidden: int, dtype: torch.dtype, top_k: int) -> RingSize:
     """An FFN rank's ring for one attention rank: room for an item of
-    ``max_tokens`` rows (rows, int32 ids and float32 weights)."""
-    return RingSize(DEPTH, max_tokens * (hidden * dtype.itemsize + 8 * top_k))
+    ``max_tokens`` rows (:func:`item_bytes`)."""
+    return RingSize(DEPTH, item_bytes(max_tokens, hidden, dtype, top_k))
 
 
 def reply_ring(max_tokens: int, cols: int, dtype: torch.dtype) -> RingSize:

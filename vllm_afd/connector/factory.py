@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_afd.errors import AFDConfigError
 
+#: the ``async`` connector's payload planes (its option ``payload``)
+ASYNC_PAYLOADS = ("socket", "shared")
+
 if TYPE_CHECKING:
     import torch
 
@@ -185,7 +188,7 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 "connection, any hosts) or shared (the receiver's slot ring in "
                 "shared memory, only the header on the connection; every role "
                 "on one host)",
-                ("socket", "shared"),
+                ASYNC_PAYLOADS,
             ),
             "secret_file": _SECRET_FILE,
         },
