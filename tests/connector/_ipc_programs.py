@@ -6,6 +6,7 @@ import faulthandler
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import _scenarios as S
@@ -16,6 +17,8 @@ from vllm_afd.errors import AFDError
 
 LAYERS = 3  # the scenario's fingerprint
 STEPS = 5
+#: replays of the "many" programs (several attention ranks, one FFN rank)
+MANY_STEPS = 1000
 
 
 def _step_tensors(sc: S.Scenario, n: int = 8) -> tuple[torch.Tensor, list]:
@@ -69,7 +72,31 @@ def graph_attention(sc: S.Scenario) -> dict[str, Any]:
     return {"ok": True, "replays": STEPS}
 
 
-def graph_ffn(sc: S.Scenario) -> dict[str, Any]:
+def many_attention(sc: S.Scenario, rank: int) -> dict[str, Any]:
+    """One of several attention ranks on the GPU: capture LAYERS round trips
+    and replay them MANY_STEPS times, each checked (a host sync per step, as
+    vLLM's sampler makes)."""
+    conn = S._connector(sc, "attention", rank)
+    conn.start()
+    x, outs = _step_tensors(sc, n=4 + rank)
+    graph = _capture(conn, x, outs)
+    for step in range(2, 2 + MANY_STEPS):
+        _replay_exact(conn, graph, step, x, outs)
+    conn.close()
+    return {"ok": True, "replays": MANY_STEPS}
+
+
+def many_ffn(sc: S.Scenario, rank: int = 0) -> dict[str, Any]:
+    """The FFN rank of :func:`many_attention`'s ranks: its graph merges them,
+    with a matmul per layer that fills the GPU's SMs (as experts do) while
+    the peers' waits spin."""
+    load = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    return graph_ffn(sc, rank, lambda: torch.mm(load, load))
+
+
+def graph_ffn(
+    sc: S.Scenario, rank: int = 0, work: Callable[[], Any] | None = None
+) -> dict[str, Any]:
     conn = S._connector(sc, "ffn", 0)
     conn.start()
     plan = conn.recv_plan()
@@ -81,6 +108,8 @@ def graph_ffn(sc: S.Scenario) -> dict[str, Any]:
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
             batch = conn.recv_a2f(layer, 0)
+            if work is not None:
+                work()
             conn.send_f2a(layer, 0, S.ffn_fn(batch.hidden, None, layer))
         conn.flush()
     replays = 0
@@ -245,14 +274,20 @@ PROGRAMS = {
     "desync": (desync_attention, desync_ffn),
     "timeout": (timeout_attention, silent_ffn),
 }
+#: programs of several attention ranks: called with (scenario, rank)
+RANKED = {"many": (many_attention, many_ffn)}
 
 
-def main(name: str, role: str, sc: S.Scenario, q: Any) -> None:
-    att, ffn = PROGRAMS[name]
+def main(name: str, role: str, rank: int, sc: S.Scenario, q: Any) -> None:
     # a program still running long past its timeout prints where it is
     faulthandler.dump_traceback_later(sc.timeout_s + 30, repeat=True, file=sys.stderr)
     try:
-        out = (att if role == "attention" else ffn)(sc)
+        if name in RANKED:
+            att, ffn = RANKED[name]
+            out = (att if role == "attention" else ffn)(sc, rank)
+        else:
+            att, ffn = PROGRAMS[name]
+            out = (att if role == "attention" else ffn)(sc)
     except BaseException:
         out = {"ok": False, "message": traceback.format_exc()}
-    q.put((role, out))
+    q.put(((role, rank), out))

@@ -65,8 +65,9 @@ def _config(role: str, a: int, f: int, port: int, rank: int = 0, **extra: Any):
 def _endpoint(role: str, a: int, f: int, port: int, rank: int, **kw: Any):
     fp_kw = {k: kw.pop(k) for k in ("top_k", "parts") if k in kw}
     limits = kw.pop("limits", None)
+    device = kw.pop("device", None)
     config = _config(role, a, f, port, rank, **kw)
-    return create_async_endpoint(config, rank, _fp(a, f, **fp_kw), limits)
+    return create_async_endpoint(config, rank, _fp(a, f, **fp_kw), limits, device)
 
 
 def _expert_sum(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -110,7 +111,9 @@ def _inputs(rank: int, step: int, layer: int, tokens: int, only: int | None = No
     return hidden, Routing(weights, ids.to(torch.int32))
 
 
-def _drive(ep: AsyncAttention, rank: int, parts: int, shared: bool, only=None):
+def _drive(
+    ep: AsyncAttention, rank: int, parts: int, shared: bool, only=None, device=None
+):
     ep.start()
     worst = 0.0
     for step in range(STEPS):
@@ -118,6 +121,8 @@ def _drive(ep: AsyncAttention, rank: int, parts: int, shared: bool, only=None):
         tokens = 3 + 2 * step + rank
         for layer in LAYERS:
             hidden, routing = _inputs(rank, step, layer, tokens, only)
+            if device is not None:
+                hidden, routing = hidden.to(device), routing.to(device)
             out = ep.exchange(layer, hidden, routing, parts, shared, 10.0)
             want = _expert_sum(hidden, routing)
             if parts == 2:
@@ -241,6 +246,71 @@ def test_payload_planes_that_differ_fail_both_roles_naming_the_option():
     for e in errors.values():
         assert isinstance(e, AFDConfigError), repr(e)
         assert "'payload'" in str(e) and "'shared'" in str(e), str(e)
+
+
+def test_payload_cuda_ipc_refuses_a_role_on_the_cpu_naming_the_other_planes():
+    with pytest.raises(AFDConfigError) as e:
+        _endpoint("ffn", 1, 1, free_port(), 0, payload="cuda_ipc")
+    assert "payload 'cuda_ipc' keeps its slot rings in GPU memory" in str(e.value)
+    assert "runs on cpu: set payload 'shared' (one host) or 'socket'" in str(e.value)
+
+
+def _gpu_run(topo: str, payload: str) -> dict:
+    """Every endpoint of ``topo`` a process on GPU 0 (a CUDA IPC handle
+    cannot be opened in the process that made it); outcomes by (role, rank)."""
+    import _async_programs
+    import _scenarios
+
+    a, f = int(topo[0]), int(topo[2])
+    port = free_port()
+    ctx = _scenarios._context()
+    q = ctx.Queue()
+    eps = [("ffn", r) for r in range(f)] + [("attention", r) for r in range(a)]
+    procs = [
+        ctx.Process(target=_async_programs.main, args=(*ep, a, f, port, payload, q))
+        for ep in eps
+    ]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        while len(out) < len(eps):
+            ep, result = q.get(timeout=120)
+            out[ep] = result
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "topo,payload",
+    [("1A1F", "cuda_ipc"), ("2A1F", "cuda_ipc"), ("1A2F", "cuda_ipc"),
+     ("1A2F", "shared"), ("1A2F", "socket")],
+)  # fmt: skip
+def test_async_round_trip_on_a_gpu(topo, payload):
+    """Rows and replies on GPU 0, each endpoint a process: every output
+    exact against the experts' sum on the attention rank's GPU, and with
+    ``cuda_ipc`` every item in an FFN rank's GPU slot, the FFN rank's
+    output written device to device into the attention rank's slot."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = _gpu_run(topo, payload)
+    bad = {ep: r for ep, r in out.items() if not r.get("ok")}
+    assert not bad, bad
+    a, f = int(topo[0]), int(topo[2])
+    for r in range(a):
+        worst = out[("attention", r)]["worst"]
+        assert worst == 0.0 if f == 1 else worst < 1e-5, (r, worst)
+    for r in range(f):
+        seen = out[("ffn", r)]["seen"]
+        assert {src for src, *_ in seen} == set(range(a)), seen[:3]
+        assert all(in_slot == (payload != "socket") for *_, in_slot in seen)
+        if payload == "cuda_ipc":
+            assert all(dev == "cuda" for dev in out[("ffn", r)]["devices"])
 
 
 def test_payload_shared_refuses_roles_on_other_hosts():

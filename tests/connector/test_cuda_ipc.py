@@ -215,28 +215,56 @@ def test_cuda_ipc_round_trip_exact(topo, gate, copy):
     assert not bad, bad
 
 
-def _run_pair(name: str, sc: S.Scenario, limit_s: float = 120) -> dict:
+def _run_programs(name: str, sc: S.Scenario, limit_s: float = 120) -> dict:
+    """Every endpoint of ``sc`` running program ``name`` in its own process;
+    their outcomes by (role, rank)."""
     import _ipc_programs
 
     ctx = S._context()
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_ipc_programs.main, args=(name, role, sc, q))
-        for role in ("ffn", "attention")
+        ctx.Process(target=_ipc_programs.main, args=(name, role, rank, sc, q))
+        for role, rank in S.endpoints(sc)
     ]
     for p in procs:
         p.start()
     out = {}
     try:
-        while len(out) < 2:
-            role, result = q.get(timeout=limit_s)
-            out[role] = result
+        while len(out) < len(procs):
+            ep, result = q.get(timeout=limit_s)
+            out[ep] = result
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
     return out
+
+
+def _run_pair(name: str, sc: S.Scenario, limit_s: float = 120) -> dict:
+    """One attention and one FFN endpoint; their outcomes by role."""
+    return {role: r for (role, _), r in _run_programs(name, sc, limit_s).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy", ["ce", "sm"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_cuda_ipc_attention_ranks_sharing_an_ffn_rank_replay_graphs_for_long(
+    ranks, copy
+):
+    """kA1F on one GPU, every endpoint a process (under MPS, as ``vllm-afd
+    plan`` runs it): each attention rank replays its graph of 3 round trips
+    1000 times, the FFN rank its graph of the merged step, with a matmul per
+    layer filling the SMs while the peers' waits spin. Every reply exact,
+    no wait runs out."""
+    sc = S.Scenario(
+        "p2p", S.free_port(), ranks, 1, dtype="bfloat16", hidden=512,
+        device="cuda", options=_gpu_options(copy),
+    )  # fmt: skip
+    out = _run_programs("many", sc, limit_s=240)
+    bad = {ep: r for ep, r in out.items() if not r.get("ok")}
+    assert not bad, bad
+    assert out[("ffn", 0)]["replays"] == 1000, out
 
 
 @pytest.mark.gpu

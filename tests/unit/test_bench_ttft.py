@@ -65,9 +65,14 @@ def test_the_synchronous_connector_runs_at_most_a_ffn_ranks():
     both = bt._afd_spec(ns, "async+shared+stages")
     assert both.ubatches == 2 and both.connector_extra_config == {"payload": "shared"}
     assert bt._afd_spec(ns, "async+shared").ubatches == 1
+    gpu = bt._afd_spec(ns, "async+cuda_ipc")
+    assert gpu.connector_extra_config == {"payload": "cuda_ipc"}
 
 
-@pytest.mark.parametrize("entry", ["p2p+stages", "async+x", "async+shared+shared"])
+@pytest.mark.parametrize(
+    "entry",
+    ["p2p+stages", "async+x", "async+shared+shared", "async+shared+cuda_ipc"],
+)
 def test_an_unknown_connector_variant_is_refused_before_any_server_starts(
     capsys, entry
 ):
@@ -75,7 +80,7 @@ def test_an_unknown_connector_variant_is_refused_before_any_server_starts(
     assert bt.run_bench_ttft(args) == 2
     err = capsys.readouterr().err
     assert f"--connectors entry {entry!r}" in err, err
-    assert "the variants are async+stages, async+shared" in err, err
+    assert "the variants are async+stages, async+shared, async+cuda_ipc" in err, err
 
 
 def test_each_run_has_a_cache_salt_vllm_accepts_and_failures_are_shown():

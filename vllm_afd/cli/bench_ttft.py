@@ -75,7 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="p2p,async",
         help="comma-separated AFD connectors to compare with plain vLLM "
         "(default p2p,async; async+stages: async with afd.num_ubatches 2; "
-        "async+shared: its payloads in shared memory; both: async+shared+stages)",
+        "async+shared: its payloads in shared memory; async+cuda_ipc: in GPU "
+        "memory; a payload plane and stages combine, e.g. async+shared+stages)",
     )
     p.add_argument(
         "--rates", default="1,2,4", help="comma-separated request rates, req/s"
@@ -280,26 +281,29 @@ def cache_salt(target: str, rate: float) -> str:
 
 
 #: the ``--connectors`` variants of ``async``: what each adds
-ASYNC_VARIANTS = ("stages", "shared")
+ASYNC_VARIANTS = ("stages", "shared", "cuda_ipc")
+#: the variants that pick the connector option ``payload`` (one at most)
+PAYLOAD_VARIANTS = ("shared", "cuda_ipc")
 
 
 def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:
     """The deployment of one ``--connectors`` entry: a connector, or ``async``
     with variants joined by ``+``: ``stages`` (``afd.num_ubatches`` 2),
-    ``shared`` (connector option ``payload: shared``), e.g.
+    ``shared`` or ``cuda_ipc`` (connector option ``payload``), e.g.
     ``async+shared+stages``."""
     connector, *variants = connector.split("+")
     wrong = [v for v in variants if v not in ASYNC_VARIANTS or variants.count(v) > 1]
-    if variants and (connector != "async" or wrong):
+    planes = [v for v in variants if v in PAYLOAD_VARIANTS]
+    if variants and (connector != "async" or wrong or len(planes) > 1):
         raise ValueError(
             f"--connectors entry {'+'.join([connector, *variants])!r}: the "
-            f"variants are async+{', async+'.join(ASYNC_VARIANTS)} (or both, "
-            "async+shared+stages)"
+            f"variants are async+{', async+'.join(ASYNC_VARIANTS)}, one payload "
+            "plane with or without stages (e.g. async+shared+stages)"
         )
     ffn = args.ffn_ranks
     if connector != "async":
         ffn = min(ffn, args.attention_ranks)  # the synchronous topology: A >= F
-    options = {"payload": "shared"} if "shared" in variants else {}
+    options = {"payload": planes[0]} if planes else {}
     return DeploymentSpec(
         model=args.model, attention_ranks=args.attention_ranks, ffn_ranks=ffn,
         port=args.port, afd_port=args.afd_port, connector=connector,

@@ -75,6 +75,7 @@ from vllm_afd.connector.async_rows import (
 from vllm_afd.connector.async_slots import (
     DEPTH,
     Rings,
+    check_ring_device,
     handshake,
     item_bytes,
     reply_ring,
@@ -160,7 +161,8 @@ class WorkItem:
         routing: their ``[T, K]`` top-k, every id an expert of this rank.
         counts: rows routed to each local expert, in expert order.
         in_slot: its payload is in this rank's slot ring (``payload:
-            shared``; valid until the item is replied to).
+            shared`` or ``cuda_ipc``, where the rows are on the GPU; valid
+            until the item is replied to).
     """
 
     source: int
@@ -185,7 +187,7 @@ class Pending:
 
 class _Link:
     """One connection of an endpoint to a peer, in async frames, and its slot
-    rings (``payload: shared``)."""
+    rings (``payload: shared`` or ``cuda_ipc``)."""
 
     def __init__(self, channel: Channel, rings: Rings) -> None:
         sock, pending = channel.detach()
@@ -228,6 +230,7 @@ class AsyncEndpoint:
         topology: Topology,
         extra: dict[str, Any],
         max_tokens: int = 8192,
+        ring_device: torch.device | None = None,
     ) -> None:
         self.name = "async"
         self.role = config.role
@@ -244,6 +247,8 @@ class AsyncEndpoint:
         #: how work items and replies travel (``async_slots``)
         self.payload: str = extra["payload"]
         self.max_tokens = max_tokens
+        #: where the role computes: the GPU of ``payload: cuda_ipc`` rings
+        self.ring_device = ring_device or torch.device("cpu")
         self.links: list[_Link] = []
         self._members: list[Channel] = []
         self._steps = self._a2f = self._f2a = self._errors = 0
@@ -318,17 +323,17 @@ class AsyncEndpoint:
         label = f"{self.role.value}{self.role_rank}-{peer}"
         return handshake(
             channel, self.payload, size, label, who, self.connect_timeout_s,
-            initiator=attention,
+            initiator=attention, device=self.ring_device,
         )  # fmt: skip
 
     def _payload_text(self) -> str:
-        if self.payload != "shared" or not self.links:
+        ring = self.links[0].rings.mine if self.links else None
+        if ring is None:
             return self.payload
-        ring = self.links[0].rings.mine
-        assert ring is not None
+        where = "" if self.payload == "shared" else f" on {self.ring_device}"
         return (
-            f"shared ({ring.size.depth} slots of {ring.size.slot_bytes / 2**20:.1f} "
-            f"MiB per peer)"
+            f"{self.payload} ({ring.size.depth} slots of "
+            f"{ring.size.slot_bytes / 2**20:.1f} MiB per peer{where})"
         )
 
     def _my_experts(self) -> str:
@@ -459,7 +464,7 @@ class AsyncAttention(AsyncEndpoint):
         ring = self.links[f].rings.mine
         return (
             ring is not None
-            and t.device.type == "cpu"
+            and t.device == ring.buffer.device
             and t.untyped_storage().data_ptr()
             == ring.buffer.untyped_storage().data_ptr()
         )
@@ -519,8 +524,8 @@ class AsyncAttention(AsyncEndpoint):
             slot = link.slot(link.seq, size)
             bodies.append(self._stage(g, hidden, slot))
         if hidden.device.type == "cuda":
-            # the copies into pinned buffers were queued asynchronously on
-            # this stream: wait for them once before any frame leaves
+            # the copies into pinned buffers or the FFN ranks' GPU slots were
+            # queued on this stream: wait for them once before any frame leaves
             torch.cuda.current_stream(hidden.device).synchronize()
         deadline = time.monotonic() + timeout_s
         sent = []
@@ -548,11 +553,12 @@ class AsyncAttention(AsyncEndpoint):
     def _stage(
         self, group: Group, hidden: torch.Tensor, slot: torch.Tensor | None
     ) -> list[memoryview] | int:
-        """The payload of ``group``'s work item in host memory: written into
-        the FFN rank's ``slot`` when there is one (its size returned), else
-        the rows themselves for every row of CPU ``hidden``, else the rows,
-        ids and weights copied into the FFN rank's buffer (asynchronously from
-        a CUDA device: the caller waits for the stream before sending)."""
+        """The payload of ``group``'s work item: written into the FFN rank's
+        ``slot`` when there is one (host memory, or its GPU's with ``payload:
+        cuda_ipc``; its size returned), else in host memory: the rows
+        themselves for every row of CPU ``hidden``, else the rows, ids and
+        weights copied into the FFN rank's buffer. Copies from a CUDA device
+        are queued: the caller waits for the stream before sending."""
         on_host = hidden.device.type == "cpu"
         if on_host and group.rows is None and slot is None:
             return payload_bytes(hidden, group.ids, group.weights)
@@ -787,7 +793,15 @@ class AsyncFFN(AsyncEndpoint):
 
     def _item(self, a: int, frame: Frame) -> WorkItem:
         hidden, ids, weights = frame.tensors()
-        if ids.numel() and (int(ids.min()) < self.lo or int(ids.max()) >= self.hi):
+        # Ids on a GPU (payload cuda_ipc) are not read here: that would
+        # synchronise this thread with the device. The slices follow from
+        # the fingerprint both roles agreed on.
+        on_host = ids.device.type == "cpu"
+        if (
+            on_host
+            and ids.numel()
+            and (int(ids.min()) < self.lo or int(ids.max()) >= self.hi)
+        ):
             raise AFDProtocolError(
                 f"attention rank {a} routed rows of layer {frame.layer} to experts "
                 f"{int(ids.min())}..{int(ids.max())}, but ffn rank {self.role_rank} "
@@ -851,11 +865,11 @@ class AsyncFFN(AsyncEndpoint):
         return got
 
     def reply(self, item: WorkItem, out: torch.Tensor) -> None:
-        """Send ``out [T, C]`` back to the item's attention rank (at most
-        ``timeout_s`` for it to read). A reply that cannot be sent (the rank
-        is gone or reads nothing) is dropped with a warning and counted as an
-        error: what the loss means is the receiving thread's to say
-        (:meth:`next_item`)."""
+        """Send ``out [T, C]`` (on any device) back to the item's attention
+        rank (at most ``timeout_s`` for it to read). A reply that cannot be
+        sent (the rank is gone or reads nothing) is dropped with a warning
+        and counted as an error: what the loss means is the receiving
+        thread's to say (:meth:`next_item`)."""
         link = self.links[item.source]
         nbytes = out.numel() * out.dtype.itemsize
         # in a slot only when the item came in one: the attention rank sent
@@ -864,9 +878,15 @@ class AsyncFFN(AsyncEndpoint):
         slot = link.slot(item.seq, nbytes) if item.in_slot else None
         if slot is not None:
             view_bytes(slot, 0, out.dtype, (out.shape[0], out.shape[1])).copy_(out)
+            if slot.is_cuda or out.is_cuda:
+                # the copy is queued (device to device, or from pinned
+                # memory): it must land before the header tells the peer
+                torch.cuda.current_stream(
+                    slot.device if slot.is_cuda else out.device
+                ).synchronize()
             body: list[memoryview] = []
         else:
-            body = payload_bytes(out)
+            body = payload_bytes(out.cpu())
         head = encode_header(
             FrameKind.REPLY, dtype=out.dtype, layer=item.layer, seq=item.seq,
             tokens=out.shape[0], cols=out.shape[1], nbytes=nbytes,
@@ -920,13 +940,12 @@ def build(
     extra: dict[str, Any],
     limits: ExchangeLimits,
 ) -> AsyncEndpoint:
-    """Factory hook for ``async``: the endpoint's frames are host memory
-    (``device`` must be the CPU); an exchange takes rows on any device. The
-    slot rings of ``payload: shared`` hold ``limits.max_tokens`` rows."""
-    if device.type != "cpu":
-        raise AFDConfigError(
-            f"afd.connector='async' moves CPU tensors; this endpoint's device is "
-            f"{device}"
-        )
+    """Factory hook for ``async``: the endpoint's frames are host memory and
+    an exchange takes rows on any device; ``device`` is where the role
+    computes, the GPU of ``payload: cuda_ipc`` rings. The slot rings hold
+    ``limits.max_tokens`` rows."""
+    check_ring_device(extra["payload"], device, f"this {config.role.value} rank")
     cls = AsyncAttention if config.role is AFDRole.ATTENTION else AsyncFFN
-    return cls(config, role_rank, fingerprint, topology, extra, limits.max_tokens)
+    return cls(
+        config, role_rank, fingerprint, topology, extra, limits.max_tokens, device
+    )

@@ -1,15 +1,24 @@
-"""Slot rings of the ``async`` connector's ``payload: shared`` plane.
+"""Slot rings of the ``async`` connector's ``payload: shared`` and
+``payload: cuda_ipc`` planes.
 
 With ``payload: socket`` (the default) a work item's rows and its reply's
-output travel on the TCP connection behind the frame's header. With
-``payload: shared`` (every role on one host) only the header does: each
-receiver keeps, per peer, a ring of slots in a shared-memory file, the sender
-writes the payload into the slot of the item's sequence number and sends the
-header with :data:`~vllm_afd.connector.async_wire.IN_SLOT` set. An FFN rank
-keeps one work ring per attention rank, an attention rank one reply ring per
-FFN rank; both are mapped by the peer at the handshake (:func:`handshake`)
-and their files unlinked once both sides hold them, so nothing is left
-behind whatever ends the processes.
+output travel on the TCP connection behind the frame's header. With a slot
+plane (every role on one host) only the header does: each receiver keeps,
+per peer, a ring of slots, the sender writes the payload into the slot of
+the item's sequence number and sends the header with
+:data:`~vllm_afd.connector.async_wire.IN_SLOT` set. An FFN rank keeps one
+work ring per attention rank, an attention rank one reply ring per FFN rank;
+both are mapped by the peer at the handshake (:func:`handshake`).
+
+* ``shared``: the ring is a shared-memory file (:class:`SlotRing`), unlinked
+  once both sides hold it, so nothing is left behind whatever ends the
+  processes.
+* ``cuda_ipc``: the ring is memory on the receiver's GPU (:class:`DeviceRing`),
+  which the sender maps through a CUDA IPC handle: rows go device to device,
+  never through host memory. The sender's copy into the peer's slot is
+  queued on its stream; it waits for that stream before the header leaves,
+  so the payload is whole when the receiver reads it. Nothing spins on the
+  device: the header on the socket is the signal.
 
 A slot is reused ``depth`` items later. The attention rank never has more
 than ``depth`` items in flight to one FFN rank (it reads a reply before it
@@ -44,6 +53,8 @@ if TYPE_CHECKING:
 SHM_DIR = "/dev/shm"
 #: the payload planes (the connector option ``payload``)
 PAYLOADS = ASYNC_PAYLOADS
+#: the planes whose payloads travel in slot rings
+SLOT_PLANES = ("shared", "cuda_ipc")
 #: slots per ring: items one attention rank may have in flight to one FFN
 #: rank with their payload in slots (a step cut in two stages has two)
 DEPTH = 2
@@ -75,7 +86,46 @@ def reply_ring(max_tokens: int, cols: int, dtype: torch.dtype) -> RingSize:
     return RingSize(DEPTH, max_tokens * cols * dtype.itemsize)
 
 
-class SlotRing:
+def check_ring_device(payload: str, device: torch.device, who: str) -> None:
+    """Refuse ``payload: cuda_ipc`` for a role that computes off the GPU.
+
+    Raises:
+        AFDConfigError: naming ``who``, its device and the other planes.
+    """
+    if payload == "cuda_ipc" and device.type != "cuda":
+        raise AFDConfigError(
+            f"the async connector's payload 'cuda_ipc' keeps its slot rings in "
+            f"GPU memory, and {who} runs on {device}: set payload 'shared' "
+            "(one host) or 'socket'"
+        )
+
+
+class _Slots:
+    """What both rings share: ``buffer`` holds ``size.depth`` slots."""
+
+    buffer: torch.Tensor
+    size: RingSize
+    path: str  # what names the ring in errors
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.size.slot_bytes
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        """``[nbytes]`` uint8 view of the slot of item ``seq``.
+
+        Raises:
+            AFDProtocolError: ``nbytes`` exceeds a slot.
+        """
+        if not self.fits(nbytes):
+            raise AFDProtocolError(
+                f"a payload of {nbytes} bytes does not fit the slots of "
+                f"{self.size.slot_bytes} bytes of ring {self.path}"
+            )
+        at = (seq % self.size.depth) * self.size.slot_bytes
+        return self.buffer[at : at + nbytes]
+
+
+class SlotRing(_Slots):
     """``depth`` slots of ``slot_bytes`` in a shared-memory file, mapped.
 
     The side that receives into the ring makes it (:meth:`create`), the
@@ -149,23 +199,6 @@ class SlotRing:
             "slot_bytes": self.size.slot_bytes,
         }
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.size.slot_bytes
-
-    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
-        """``[nbytes]`` uint8 view of the slot of item ``seq``.
-
-        Raises:
-            AFDProtocolError: ``nbytes`` exceeds a slot.
-        """
-        if not self.fits(nbytes):
-            raise AFDProtocolError(
-                f"a payload of {nbytes} bytes does not fit the slots of "
-                f"{self.size.slot_bytes} bytes of ring {self.path}"
-            )
-        at = (seq % self.size.depth) * self.size.slot_bytes
-        return self.buffer[at : at + nbytes]
-
     def unlink(self) -> None:
         """Remove the ring's file (the owner's, once the peer mapped it;
         idempotent)."""
@@ -175,14 +208,96 @@ class SlotRing:
                 os.unlink(self.path)
 
 
+class DeviceRing(_Slots):
+    """``depth`` slots of ``slot_bytes`` in GPU memory: the receiver's
+    (:meth:`create`), or the peer's mapped here through its CUDA IPC handle
+    (:meth:`open`; on another GPU of the host through peer access). The
+    interface of :class:`SlotRing`; the views it gives are on a GPU."""
+
+    def __init__(self, buffer: torch.Tensor, size: RingSize, label: str) -> None:
+        self.buffer, self.size, self.path = buffer, size, label
+
+    @classmethod
+    def create(cls, size: RingSize, label: str, device: torch.device) -> DeviceRing:
+        """A new ring on ``device``.
+
+        Raises:
+            AFDConfigError: ``device`` is not a GPU, or has no room for it.
+        """
+        total = size.depth * size.slot_bytes
+        check_ring_device("cuda_ipc", device, "this role")
+        try:
+            buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            raise AFDConfigError(
+                f"the async connector's payload 'cuda_ipc' could not allocate "
+                f"{total / 2**20:.1f} MiB on {device} for a ring of {size.depth} "
+                "slots: lower max_num_batched_tokens or --gpu-memory-utilization, "
+                "or set payload 'shared'"
+            ) from None
+        return cls(buffer, size, label)
+
+    @classmethod
+    def open(cls, record: dict[str, Any], device: torch.device) -> DeviceRing:
+        """The peer's ring of :meth:`record`, mapped on ``device``.
+
+        Raises:
+            AFDConnectorError: the handle cannot be opened here (no peer
+                access between the GPUs), or holds less than announced.
+        """
+        from vllm_afd.connector.ipc_data import open_shared
+
+        size = RingSize(int(record["depth"]), int(record["slot_bytes"]))
+        buffer = open_shared(record["ipc"], device)
+        if buffer.numel() < size.depth * size.slot_bytes:
+            raise AFDConnectorError(
+                f"the peer's cuda_ipc slot ring holds {buffer.numel()} bytes, not "
+                f"the {size.depth * size.slot_bytes} it announced"
+            )
+        return cls(buffer, size, str(record.get("label", "peer")))
+
+    def record(self) -> dict[str, Any]:
+        """What the peer needs to map this ring (JSON-able)."""
+        from vllm_afd.connector.ipc_data import share
+
+        return {
+            "ipc": share(self.buffer),
+            "label": self.path,
+            "depth": self.size.depth,
+            "slot_bytes": self.size.slot_bytes,
+        }
+
+    def unlink(self) -> None:
+        """Nothing to remove: the memory goes with the last process holding it."""
+
+
+Ring = SlotRing | DeviceRing
+
+
 @dataclass
 class Rings:
     """One connection's rings: ``mine`` receives from the peer, ``theirs``
     is the peer's, which this side writes into (both None with ``payload:
     socket``)."""
 
-    mine: SlotRing | None = None
-    theirs: SlotRing | None = None
+    mine: Ring | None = None
+    theirs: Ring | None = None
+
+
+def _make_ring(
+    payload: str, size: RingSize, label: str, device: torch.device
+) -> Ring | None:
+    if payload == "shared":
+        return SlotRing.create(size, label)
+    if payload == "cuda_ipc":
+        return DeviceRing.create(size, label, device)
+    return None
+
+
+def _open_ring(payload: str, record: dict[str, Any], device: torch.device) -> Ring:
+    if payload == "cuda_ipc":
+        return DeviceRing.open(record, device)
+    return SlotRing.open(record)
 
 
 def handshake(
@@ -194,9 +309,11 @@ def handshake(
     timeout_s: float,
     *,
     initiator: bool,
+    device: torch.device | None = None,
 ) -> Rings:
     """Agree with the peer on ``channel`` on the payload plane and map each
-    other's ring (``size``: of the ring this side receives into), on the
+    other's ring (``size``: of the ring this side receives into; ``device``:
+    where this side's rows are, the GPU of ``cuda_ipc`` rings), on the
     rendezvous connection before it carries frames.
 
     The attention rank is the ``initiator``: it sends work items, the FFN
@@ -213,13 +330,15 @@ def handshake(
 
     Raises:
         AFDConfigError: the two sides set ``payload`` otherwise, or are on
-            other hosts with ``payload: shared`` (both named).
+            other hosts with a slot plane (both named); ``cuda_ipc`` on a
+            role that runs on the CPU.
         AFDTimeoutError: the peer said nothing in ``timeout_s``.
         AFDConnectorError: the peer's ring cannot be mapped.
     """
     deadline = time.monotonic() + timeout_s
     setup_type = MsgType.SETUP.value  # the control messages' own SETUP type
-    mine = SlotRing.create(size, label) if payload == "shared" else None
+    where = device or torch.device("cpu")
+    mine = _make_ring(payload, size, label, where)
 
     def setup() -> dict[str, Any]:
         return {
@@ -238,15 +357,15 @@ def handshake(
             channel.send(setup())
             theirs = recv("the payload plane")
             _check_peer(theirs, payload, who)
-            if payload == "shared":
-                rings.theirs = SlotRing.open(theirs["ring"])
+            if payload in SLOT_PLANES:
+                rings.theirs = _open_ring(payload, theirs["ring"], where)
             channel.send({"type": setup_type, "mapped": True})
             recv("the end of the payload handshake")
         else:
             theirs = recv("the payload plane")
             same_host = theirs.get("host") == this_host()
-            if theirs.get("payload") == payload == "shared" and same_host:
-                rings.theirs = SlotRing.open(theirs["ring"])
+            if theirs.get("payload") == payload in SLOT_PLANES and same_host:
+                rings.theirs = _open_ring(payload, theirs["ring"], where)
             channel.send(setup())
             _check_peer(theirs, payload, who)
             recv("the payload ring mapped")
@@ -264,9 +383,9 @@ def _check_peer(theirs: dict[str, Any], payload: str, who: str) -> None:
             f"{theirs.get('payload')!r} on {who}; set the same connector option "
             "'payload' on every role"
         )
-    if payload == "shared" and theirs.get("host") != this_host():
+    if payload in SLOT_PLANES and theirs.get("host") != this_host():
         raise AFDConfigError(
-            f"the async connector's payload 'shared' needs every role on one "
+            f"the async connector's payload {payload!r} needs every role on one "
             f"host: this one is {this_host()}, {who} is on {theirs.get('host')}; "
             "set payload 'socket'"
         )

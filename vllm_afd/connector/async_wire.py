@@ -10,8 +10,8 @@ payload::
       kind     u8   WORK (attention -> ffn), REPLY (ffn -> attention),
                     SHUTDOWN (either way; payload: the reason, UTF-8);
                     | IN_SLOT (0x80): the payload is in the receiver's
-                    slot ring at ``seq`` (``payload: shared``,
-                    ``async_slots``), not on the connection
+                    slot ring at ``seq`` (``payload: shared`` or
+                    ``cuda_ipc``, ``async_slots``), not on the connection
       dtype    u8   activation dtype code (float32, bfloat16, float16)
       layer    u16  decoder layer
       seq      u32  the sender's work-item counter on this connection; a

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_afd.errors import AFDConfigError
 
 #: the ``async`` connector's payload planes (its option ``payload``)
-ASYNC_PAYLOADS = ("socket", "shared")
+ASYNC_PAYLOADS = ("socket", "shared", "cuda_ipc")
 
 if TYPE_CHECKING:
     import torch
@@ -185,9 +185,11 @@ _SPECS: tuple[ConnectorSpec, ...] = (
                 str,
                 "socket",
                 "how work items' rows and replies travel: socket (on the TCP "
-                "connection, any hosts) or shared (the receiver's slot ring in "
+                "connection, any hosts), shared (the receiver's slot ring in "
                 "shared memory, only the header on the connection; every role "
-                "on one host)",
+                "on one host) or cuda_ipc (the receiver's slot ring in its GPU's "
+                "memory, mapped by the sender: rows go device to device; every "
+                "role on one host's GPUs)",
                 ASYNC_PAYLOADS,
             ),
             "secret_file": _SECRET_FILE,
@@ -381,10 +383,13 @@ def create_async_endpoint(
     role_rank: int,
     fingerprint: Fingerprint,
     limits: ExchangeLimits | None = None,
+    device: torch.device | None = None,
 ) -> AsyncEndpoint:
     """Build (not start) this process's endpoint of the ``async`` connector
     (``connector.async_ep``); arguments as :func:`create_connector`
-    (``limits.max_tokens`` sizes the slot rings of ``payload: shared``).
+    (``limits.max_tokens`` sizes the slot rings of ``payload: shared`` and
+    ``cuda_ipc``; ``device``: where the role computes, the GPU of
+    ``cuda_ipc`` rings; default the CPU).
 
     Raises:
         AFDConfigError: bad rank or options, a synchronous connector, or more
@@ -397,6 +402,6 @@ def create_async_endpoint(
         raise AFDConfigError(f"connector {s.name!r} is not asynchronous")
     build = s.load_builder()
     return build(
-        config, role_rank, fingerprint, torch.device("cpu"), topology, extra,
-        limits or ExchangeLimits(),
+        config, role_rank, fingerprint, device or torch.device("cpu"), topology,
+        extra, limits or ExchangeLimits(),
     )  # fmt: skip

@@ -97,7 +97,9 @@ def open_endpoint(
     connector = None
     work = None
     if role_rank is not None and afd.is_async:
-        work = factory.create_async_endpoint(afd, role_rank, fingerprint, limits)
+        work = factory.create_async_endpoint(
+            afd, role_rank, fingerprint, limits, device
+        )
         work.start()
     elif role_rank is not None:
         connector = factory.create_connector(

@@ -295,8 +295,9 @@ class FFNSideMixin(AFDRunnerMixin):
 
     def _afd_compute_staged(self, layer_idx: int, batch: A2FBatch) -> torch.Tensor:
         """:meth:`_afd_compute` on this rank's GPU for a work item that
-        arrived in host memory (``async``), its output back in host memory."""
-        return self._afd_compute(layer_idx, batch.to(self.device)).cpu()
+        arrived in host memory (``async``; one in a ``cuda_ipc`` slot is
+        there already); the endpoint's reply moves the output where it goes."""
+        return self._afd_compute(layer_idx, batch.to(self.device))
 
     def _afd_loop_exited(self, error: BaseException | None) -> None:
         endpoint = self.afd_endpoint
