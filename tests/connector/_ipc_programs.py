@@ -104,6 +104,9 @@ def graph_ffn(
     _serve_step(conn)
     plan = conn.recv_plan()
     assert plan is not None and plan.mode is ExecMode.CAPTURE
+    if work is not None:
+        work()  # its library handles are made before the capture
+        torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):

@@ -1,8 +1,9 @@
-"""The ``async`` connector on one GPU: every role on GPU 0 under MPS, eager
-(its work items leave from host memory: each role stages its rows through
-it), the experts split over the FFN ranks, token-for-token against plain
-vLLM on the same GPU (16 prompts of 1-200 tokens). On CPU the same
-topologies are checked in tests/e2e/test_families.py.
+"""The ``async`` connector on one GPU: every role on GPU 0 under MPS, eager,
+the experts split over the FFN ranks, token-for-token against plain vLLM on
+the same GPU (16 prompts of 1-200 tokens). The 1A1F cases stage their rows
+through host memory (``payload: socket``); the split case moves them device
+to device (``payload: cuda_ipc``). On CPU the same topologies are checked in
+tests/e2e/test_families.py.
 
 1A1F runs in bf16 (one FFN rank runs vLLM's kernel on exactly plain vLLM's
 rows). With the experts split the FFN ranks' partial sums are added on the
@@ -26,7 +27,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 #: logprob tolerance: bf16's resolution, or float32 sums in another order
 ATOL = {"bfloat16": 1e-2, "float32": 1e-4}
-CASES = [("qwen3_moe", 1, 2), ("deepseek_v3", 1, 1), ("qwen3_moe", 1, 1)]
+#: (family, attention ranks, FFN ranks, the connector option payload)
+CASES = [
+    ("qwen3_moe", 1, 2, "cuda_ipc"),
+    ("deepseek_v3", 1, 1, "socket"),
+    ("qwen3_moe", 1, 1, "socket"),
+]
 
 
 def _args(ffn_ranks: int) -> list[str]:
@@ -38,7 +44,9 @@ def _args(ffn_ranks: int) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "arch,ranks,ffn_ranks", CASES, ids=[f"{a}-{n}A{f}F" for a, n, f in CASES]
+    "arch,ranks,ffn_ranks,payload",
+    CASES,
+    ids=[f"{a}-{n}A{f}F-{p}" for a, n, f, p in CASES],
 )
 def test_async_on_one_gpu_equals_plain_vllm(
     gpu_tiny_models: dict[str, Path],
@@ -46,6 +54,7 @@ def test_async_on_one_gpu_equals_plain_vllm(
     arch: str,
     ranks: int,
     ffn_ranks: int,
+    payload: str,
     mps: None,
 ) -> None:
     args = _args(ffn_ranks)
@@ -57,9 +66,11 @@ def test_async_on_one_gpu_equals_plain_vllm(
         connector="async",
         attention_devices="0",
         ffn_devices=",".join(["0"] * ffn_ranks),  # every FFN rank on GPU 0
+        connector_extra_config={"payload": payload},
     )
     afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path)
-    print(f"{arch} {ranks}A{ffn_ranks}F async: {same_count(afd_out, plain_out)}/16")
+    same = same_count(afd_out, plain_out)
+    print(f"{arch} {ranks}A{ffn_ranks}F async, payload {payload}: {same}/16")
     assert_same_outputs(afd_out, plain_out, ATOL[args[args.index("--dtype") + 1]])
     assert ffn[("afd_steps", "ffn", "0")] > 0
 

@@ -214,7 +214,7 @@ class DeploymentSpec:
         ``auto`` is NCCL, except when the device lists give both roles a GPU
         on one host: then the launcher asks for cuda_ipc (NCCL cannot pair
         two ranks on one GPU). ``tcp`` for the async connector (its frames
-        leave from host memory on every device)."""
+        travel on TCP; its option ``payload`` says where their rows go)."""
         if self.connector == "async":
             return "tcp"
         backend = (self.connector_extra_config or {}).get("backend", "auto")
