@@ -296,6 +296,30 @@ def run(sc: Scenario, limit_s: float = 60.0) -> dict[tuple[str, int], dict]:
     return results
 
 
+def run_processes(
+    target: Any, arglists: list[tuple], limit_s: float = 120.0
+) -> dict[Any, dict]:
+    """One process of ``target(*args, q)`` per entry of ``arglists``; what
+    each puts on ``q`` as ``(key, outcome)``, by key. A process still alive
+    at the end is killed."""
+    ctx = _context()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, q)) for args in arglists]
+    for p in procs:
+        p.start()
+    out: dict[Any, dict] = {}
+    try:
+        while len(out) < len(procs):
+            key, result = q.get(timeout=limit_s)
+            out[key] = result
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
 def free_port() -> int:
     """A port P such that P and P+1 are both free now."""
     while True:

@@ -263,26 +263,9 @@ def _gpu_run(topo: str, payload: str) -> dict:
 
     a, f = int(topo[0]), int(topo[2])
     port = free_port()
-    ctx = _scenarios._context()
-    q = ctx.Queue()
     eps = [("ffn", r) for r in range(f)] + [("attention", r) for r in range(a)]
-    procs = [
-        ctx.Process(target=_async_programs.main, args=(*ep, a, f, port, payload, q))
-        for ep in eps
-    ]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    try:
-        while len(out) < len(eps):
-            ep, result = q.get(timeout=120)
-            out[ep] = result
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return out
+    args = [(*ep, a, f, port, payload) for ep in eps]
+    return _scenarios.run_processes(_async_programs.main, args, limit_s=120)
 
 
 @pytest.mark.gpu

@@ -220,25 +220,8 @@ def _run_programs(name: str, sc: S.Scenario, limit_s: float = 120) -> dict:
     their outcomes by (role, rank)."""
     import _ipc_programs
 
-    ctx = S._context()
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_ipc_programs.main, args=(name, role, rank, sc, q))
-        for role, rank in S.endpoints(sc)
-    ]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < len(procs):
-            ep, result = q.get(timeout=limit_s)
-            out[ep] = result
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return out
+    eps = [(name, role, rank, sc) for role, rank in S.endpoints(sc)]
+    return S.run_processes(_ipc_programs.main, eps, limit_s)
 
 
 def _run_pair(name: str, sc: S.Scenario, limit_s: float = 120) -> dict:
