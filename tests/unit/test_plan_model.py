@@ -234,6 +234,49 @@ def test_plan_and_check_tables_render() -> None:
     assert "median |step error| 25%" in plan_format.format_check(rows, "x", plan)
 
 
+def test_a_check_that_fails_is_a_row_of_its_own_and_the_others_are_checked(
+    monkeypatch, capsys
+) -> None:
+    """--check: a deployment that cannot start (or serve) gets ``failed``
+    and no measurement, is stopped, and the next one is still launched; the
+    table's median and best are over the measured rows only."""
+    stopped: list[str] = []
+
+    class Dep:  # the launcher's Deployment as far as check() uses it
+        api_url = "http://127.0.0.1:1/v1"
+
+        def __init__(self, spec, log=None, log_dir=None) -> None:
+            self.name = f"{spec.attention_ranks}A{spec.ffn_ranks}F"
+
+        def start(self, timeout: float) -> None:
+            if self.name == "2A1F":
+                raise plan_cli.LaunchError("attention role exited with code 1")
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    monkeypatch.setattr(plan_cli, "Deployment", Dep)
+    monkeypatch.setattr(plan_cli, "_measured_step", lambda *a: 0.004)
+    args = _args("--check", "--check-topologies", "2A1F,1A1F", "--devices", "2")
+    prof = _profile(platform="cpu")
+    plan = make_plan(prof, 2, args.context_lens, args.batch_sizes, None, 1)
+    rows = plan_cli.check(args, plan_cli._spec(args, 0), prof, plan, 0, LogWatch())
+    assert [r["deployment"] for r in rows] == ["2A1F", "1A1F"]
+    assert stopped == ["2A1F", "1A1F"]  # the failed start is stopped too
+    assert rows[0]["failed"] == "attention role exited with code 1"
+    assert "measured_step_ms" not in rows[0]
+    assert rows[1]["measured_step_ms"] == pytest.approx(4.0)
+    assert "2A1F failed (attention role exited" in capsys.readouterr().err
+    text = plan_format.format_check(rows, "tok/s", plan)
+    assert "failed: attention role exited with code 1" in text
+    assert "median |step error|" in text
+    assert "of 1 measured; best measured: 1A1F" in text
+    rows[1]["failed"] = ""
+    assert "no checked deployment could be measured" in plan_format.format_check(
+        rows, "tok/s", plan
+    )
+
+
 def test_sharing_is_fitted_on_2a1f_and_charged_per_extra_attention_rank() -> None:
     """Measured on 2A1F only, S_2 is charged to every rank beyond the first."""
     afd = [Point(64, b, 0.010 + 0.001 * b, wait_s=0.003, ffn_s=0.002) for b in (1, 4)]

@@ -311,7 +311,12 @@ def check(
     gpus: int,
     log: LogWatch,
 ) -> list[dict[str, Any]]:
-    """Launch each checked deployment; predicted and measured side by side."""
+    """Launch each checked deployment; predicted and measured side by side.
+
+    A deployment that fails to start or to serve (a role exits, requests
+    fail, a hang ends in the connector's timeout) gets a row with
+    ``failed`` (the reason) and no measurement; the others are still
+    checked."""
     context = plan.recommended.context if plan.recommended else args.context_lens[0]
     chosen = args.check_topologies or _next_best(plan, context)
     rows = []
@@ -322,25 +327,29 @@ def check(
             continue
         _note(f"--check: starting {cand.name} (batch {pred.batch} per rank) ...")
         spec = _placed(base_spec, cand, gpus)
+        row: dict[str, Any] = {
+            "deployment": cand.name,
+            "context": context,
+            "batch": pred.batch,
+            "predicted_step_ms": pred.step_s * 1e3,
+            "predicted_tokens_per_s_per_device": pred.tokens_per_s_per_device,
+        }
+        rows.append(row)
         dep = Deployment(spec, log=log, log_dir=log.log_dir)
-        dep.start(args.ready_timeout)
         try:
+            dep.start(args.ready_timeout)
             step = _measured_step(dep.api_url, cand, context, pred.batch, args)
+        except (LaunchError, RuntimeError, OSError) as exc:
+            row["failed"] = str(exc)
+            _note(f"--check: {cand.name} failed ({exc}); checking the others")
+            continue
         finally:
             dep.stop()
         devices = 1 if prof.shared_cores else cand.devices
-        measured = cand.attention_ranks * pred.batch / step / devices
-        rows.append(
-            {
-                "deployment": cand.name,
-                "context": context,
-                "batch": pred.batch,
-                "predicted_step_ms": pred.step_s * 1e3,
-                "measured_step_ms": step * 1e3,
-                "step_error": (pred.step_s - step) / step,
-                "predicted_tokens_per_s_per_device": pred.tokens_per_s_per_device,
-                "measured_tokens_per_s_per_device": measured,
-            }
+        row["measured_step_ms"] = step * 1e3
+        row["step_error"] = (pred.step_s - step) / step
+        row["measured_tokens_per_s_per_device"] = (
+            cand.attention_ranks * pred.batch / step / devices
         )
     return rows
 
@@ -535,4 +544,8 @@ def run_plan(args: argparse.Namespace) -> int:
         title = f"{Path(args.model).name} on {where['device']}, {devices} devices"
         ok = plots.plot_plan(plan, args.plot, unit, title)
         _note(f"wrote {args.plot}" if ok else "matplotlib not installed: no plot")
+    failed = [r["deployment"] for r in checked if "failed" in r]
+    if failed:
+        _note(f"--check could not measure {', '.join(failed)} (above); exit 1")
+        return 1
     return 0

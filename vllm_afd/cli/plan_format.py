@@ -140,26 +140,44 @@ def format_plan(plan: Plan, unit: str) -> str:
     return "\n".join(lines)
 
 
+#: characters of a failed check's reason in the table
+FAILED_WIDTH = 100
+
+
 def format_check(rows: list[dict[str, Any]], unit: str, plan: Plan) -> str:
+    """The ``--check`` table: each deployment predicted and measured, or
+    why it could not be measured; the median error and the best measured
+    over the measured ones."""
     lines = [
         f"{'deployment':<12} {'batch':>6} {'step ms pred':>13} {'measured':>9} "
         f"{'error':>7} {unit + ' pred':>19} {'measured':>9}"
     ]
     for r in rows:
+        head = f"{r['deployment']:<12} {r['batch']:>6} {r['predicted_step_ms']:>13.2f}"
+        if "failed" in r:
+            why = r["failed"].splitlines()[0] if r["failed"] else "no reason given"
+            if len(why) > FAILED_WIDTH:
+                why = why[: FAILED_WIDTH - 3] + "..."
+            lines.append(f"{head} failed: {why}")
+            continue
         lines.append(
-            f"{r['deployment']:<12} {r['batch']:>6} {r['predicted_step_ms']:>13.2f} "
-            f"{r['measured_step_ms']:>9.2f} {r['step_error'] * 100:>6.0f}% "
+            f"{head} {r['measured_step_ms']:>9.2f} {r['step_error'] * 100:>6.0f}% "
             f"{r['predicted_tokens_per_s_per_device']:>19.1f} "
             f"{r['measured_tokens_per_s_per_device']:>9.1f}"
         )
-    if rows:
-        errors = [abs(r["step_error"]) for r in rows]
-        best = max(rows, key=lambda r: r["measured_tokens_per_s_per_device"])
-        rec = plan.recommended.name if plan.recommended else None
+    measured = [r for r in rows if "failed" not in r]
+    rec = plan.recommended.name if plan.recommended else None
+    if measured:
+        errors = [abs(r["step_error"]) for r in measured]
+        best = max(measured, key=lambda r: r["measured_tokens_per_s_per_device"])
+        failed = len(rows) - len(measured)
         lines.append(
-            f"median |step error| {statistics.median(errors) * 100:.0f}%; best "
+            f"median |step error| {statistics.median(errors) * 100:.0f}%"
+            f"{f' of {len(measured)} measured' if failed else ''}; best "
             f"measured: {best['deployment']} (recommended: {rec})"
         )
+    elif rows:
+        lines.append(f"no checked deployment could be measured (recommended: {rec})")
     return "\n".join(lines)
 
 
