@@ -38,12 +38,16 @@ import torch
 
 from vllm_afd.config import parse_afd_config
 from vllm_afd.connector import Fingerprint, Routing
-from vllm_afd.connector.factory import ExchangeLimits, create_async_endpoint
+from vllm_afd.connector.factory import (
+    ASYNC_PAYLOADS,
+    ExchangeLimits,
+    create_async_endpoint,
+)
 
 #: the planes each device compares by default
 DEFAULT_PAYLOADS = {
     "cpu": ("socket", "shared"),
-    "cuda": ("socket", "shared", "cuda_ipc"),
+    "cuda": ASYNC_PAYLOADS,
 }
 K, EXPERTS = 2, 8
 
@@ -157,11 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU is visible")
     args.payloads = args.payloads or DEFAULT_PAYLOADS[args.device]
-    planes = DEFAULT_PAYLOADS["cuda"]
-    if args.payloads[0] != "socket" or not set(args.payloads) <= set(planes):
+    if args.payloads[0] != "socket" or not set(args.payloads) <= set(ASYNC_PAYLOADS):
         p.error(
             f"--payloads {','.join(args.payloads)}: socket first (the baseline), "
-            f"then any of {', '.join(planes[1:])}"
+            f"then any of {', '.join(ASYNC_PAYLOADS[1:])}"
         )
     if "cuda_ipc" in args.payloads and args.device != "cuda":
         p.error("--payloads cuda_ipc needs --device cuda")

@@ -91,12 +91,10 @@ def many_ffn(sc: S.Scenario, rank: int = 0) -> dict[str, Any]:
     with a matmul per layer that fills the GPU's SMs (as experts do) while
     the peers' waits spin."""
     load = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    return graph_ffn(sc, rank, lambda: torch.mm(load, load))
+    return graph_ffn(sc, lambda: torch.mm(load, load))
 
 
-def graph_ffn(
-    sc: S.Scenario, rank: int = 0, work: Callable[[], Any] | None = None
-) -> dict[str, Any]:
+def graph_ffn(sc: S.Scenario, work: Callable[[], Any] | None = None) -> dict[str, Any]:
     conn = S._connector(sc, "ffn", 0)
     conn.start()
     plan = conn.recv_plan()

@@ -52,6 +52,7 @@ from vllm_afd.cli.bench_workload import (
 from vllm_afd.cli.client import afd_metrics
 from vllm_afd.cli.launch import add_cpu_bind_flag
 from vllm_afd.config import DEFAULT_PORT
+from vllm_afd.connector.factory import ASYNC_SLOT_PAYLOADS
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 from vllm_afd.deploy.logs import new_log_dir
 
@@ -280,10 +281,10 @@ def cache_salt(target: str, rate: float) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{target}-{rate:g}")[:128]
 
 
-#: the ``--connectors`` variants of ``async``: what each adds
-ASYNC_VARIANTS = ("stages", "shared", "cuda_ipc")
 #: the variants that pick the connector option ``payload`` (one at most)
-PAYLOAD_VARIANTS = ("shared", "cuda_ipc")
+PAYLOAD_VARIANTS = ASYNC_SLOT_PAYLOADS
+#: the ``--connectors`` variants of ``async``: what each adds
+ASYNC_VARIANTS = ("stages", *PAYLOAD_VARIANTS)
 
 
 def _afd_spec(args: argparse.Namespace, connector: str) -> DeploymentSpec:

@@ -878,12 +878,11 @@ class AsyncFFN(AsyncEndpoint):
         slot = link.slot(item.seq, nbytes) if item.in_slot else None
         if slot is not None:
             view_bytes(slot, 0, out.dtype, (out.shape[0], out.shape[1])).copy_(out)
-            if slot.is_cuda or out.is_cuda:
-                # the copy is queued (device to device, or from pinned
-                # memory): it must land before the header tells the peer
-                torch.cuda.current_stream(
-                    slot.device if slot.is_cuda else out.device
-                ).synchronize()
+            if slot.is_cuda:
+                # the copy into the peer's GPU slot is queued: it must land
+                # before the header tells the peer (a copy into a host slot
+                # is done when copy_ returns)
+                torch.cuda.current_stream(slot.device).synchronize()
             body: list[memoryview] = []
         else:
             body = payload_bytes(out.cpu())

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_afd.connector.factory import ASYNC_PAYLOADS
+from vllm_afd.connector.factory import ASYNC_SLOT_PAYLOADS
 from vllm_afd.connector.ipc_layout import this_host
 from vllm_afd.connector.protocol import MsgType
 from vllm_afd.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
@@ -51,10 +51,8 @@ if TYPE_CHECKING:
 
 #: where ring files are made: shared memory where the host has it
 SHM_DIR = "/dev/shm"
-#: the payload planes (the connector option ``payload``)
-PAYLOADS = ASYNC_PAYLOADS
 #: the planes whose payloads travel in slot rings
-SLOT_PLANES = ("shared", "cuda_ipc")
+SLOT_PLANES = ASYNC_SLOT_PAYLOADS
 #: slots per ring: items one attention rank may have in flight to one FFN
 #: rank with their payload in slots (a step cut in two stages has two)
 DEPTH = 2
@@ -309,7 +307,7 @@ def handshake(
     timeout_s: float,
     *,
     initiator: bool,
-    device: torch.device | None = None,
+    device: torch.device,
 ) -> Rings:
     """Agree with the peer on ``channel`` on the payload plane and map each
     other's ring (``size``: of the ring this side receives into; ``device``:
@@ -337,8 +335,7 @@ def handshake(
     """
     deadline = time.monotonic() + timeout_s
     setup_type = MsgType.SETUP.value  # the control messages' own SETUP type
-    where = device or torch.device("cpu")
-    mine = _make_ring(payload, size, label, where)
+    mine = _make_ring(payload, size, label, device)
 
     def setup() -> dict[str, Any]:
         return {
@@ -358,14 +355,14 @@ def handshake(
             theirs = recv("the payload plane")
             _check_peer(theirs, payload, who)
             if payload in SLOT_PLANES:
-                rings.theirs = _open_ring(payload, theirs["ring"], where)
+                rings.theirs = _open_ring(payload, theirs["ring"], device)
             channel.send({"type": setup_type, "mapped": True})
             recv("the end of the payload handshake")
         else:
             theirs = recv("the payload plane")
             same_host = theirs.get("host") == this_host()
             if theirs.get("payload") == payload in SLOT_PLANES and same_host:
-                rings.theirs = _open_ring(payload, theirs["ring"], where)
+                rings.theirs = _open_ring(payload, theirs["ring"], device)
             channel.send(setup())
             _check_peer(theirs, payload, who)
             recv("the payload ring mapped")

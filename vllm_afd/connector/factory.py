@@ -32,6 +32,8 @@ from vllm_afd.errors import AFDConfigError
 
 #: the ``async`` connector's payload planes (its option ``payload``)
 ASYNC_PAYLOADS = ("socket", "shared", "cuda_ipc")
+#: the planes that carry payloads in the receiver's slot rings (all but socket)
+ASYNC_SLOT_PAYLOADS = ASYNC_PAYLOADS[1:]
 
 if TYPE_CHECKING:
     import torch
