@@ -14,8 +14,14 @@ attention rank, another order of roundings: in bf16 on one H200 Qwen3-MoE
 1A2F gave 13 of 16 greedy requests identical (docs/prefill.md), so the split
 case runs in float32 (vLLM's Triton attention takes it), where the sum
 differs from plain vLLM's by float32 rounding only (as on CPU: top-5
-logprobs within 1e-4). DeepSeek-V3 runs 1A1F: vLLM's MLA backends on a GPU
-take bf16 and fp16 only, where a split cannot be exact.
+logprobs within 1e-4). Triton rounds a float32 dot product's inputs to TF32
+unless told otherwise, and vLLM's Triton attention picks its kernel by the
+step's mix of prefills and decodes, so in float32 a request's logprobs move
+by TF32 roundings (~1e-3) with the steps its neighbours happen to share:
+every server of the float32 cases runs Triton's dots in IEEE float32
+(``TRITON_F32_DEFAULT=ieee``, with a Triton cache of their own).
+DeepSeek-V3 runs 1A1F: vLLM's MLA backends on a GPU take bf16 and fp16
+only, where a split cannot be exact.
 """
 
 from __future__ import annotations
@@ -62,6 +68,10 @@ def test_async_on_one_gpu_equals_plain_vllm(
     mps: None,
 ) -> None:
     args = _args(ffn_ranks)
+    env = {}
+    if "float32" in args:
+        cache = tmp_path.parent / "triton-f32-ieee"  # shared by these cases
+        env = {"TRITON_F32_DEFAULT": "ieee", "TRITON_CACHE_DIR": str(cache)}
     spec = make_spec(
         gpu_tiny_models[arch],
         args,
@@ -72,7 +82,7 @@ def test_async_on_one_gpu_equals_plain_vllm(
         ffn_devices=",".join(["0"] * ffn_ranks),  # every FFN rank on GPU 0
         connector_extra_config={"payload": payload},
     )
-    afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path)
+    afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path, env)
     same = same_count(afd_out, plain_out)
     print(f"{arch} {ranks}A{ffn_ranks}F async, payload {payload}: {same}/16")
     assert_same_outputs(afd_out, plain_out, ATOL[args[args.index("--dtype") + 1]])

@@ -284,8 +284,9 @@ def check_graph_mode(compilation: Any, breakable: bool) -> None:
 
 def check_async_supported(afd: AFDConfig, parallel: Any, compilation: Any) -> None:
     """What the ``async`` connector runs on today: CPU, or CUDA without CUDA
-    graphs (its frames travel over TCP from host memory: each role stages
-    its rows through it, which no graph can capture); one TP rank per rank
+    graphs (each work item's header travels over TCP from the host, its rows
+    through host memory or, with ``payload: cuda_ipc``, a GPU slot: a graph
+    cannot capture the host's part); one TP rank per rank
     (an FFN rank takes work items from any attention rank in arrival order,
     which its TP ranks would have to agree on first).
 
@@ -298,8 +299,8 @@ def check_async_supported(afd: AFDConfig, parallel: Any, compilation: Any) -> No
     if current_platform.is_cuda():
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             raise AFDConfigError(
-                "afd.connector='async' on CUDA runs without CUDA graphs (its "
-                "work items travel over TCP from host memory, which a graph "
+                "afd.connector='async' on CUDA runs without CUDA graphs (the "
+                "host sends each work item's header over TCP, which a graph "
                 f"cannot capture; cudagraph_mode is "
                 f"{compilation.cudagraph_mode.name}): pass --enforce-eager, or "
                 '--compilation-config \'{"cudagraph_mode": "NONE"}\''
@@ -347,8 +348,9 @@ def check_ubatches_supported(afd: AFDConfig, parallel: Any) -> None:
         if current_platform.is_cuda():
             raise AFDConfigError(
                 f"afd.num_ubatches={afd.num_ubatches} with the async connector "
-                "splits steps at request boundaries on CPU only so far (on CUDA "
-                "its work items pass through host memory). Use afd.num_ubatches=1"
+                "splits steps at request boundaries on CPU only so far (the "
+                "CUDA runner does not cut steps into stages yet). Use "
+                "afd.num_ubatches=1"
             )
     elif not current_platform.is_cuda():
         raise AFDConfigError(

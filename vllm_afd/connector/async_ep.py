@@ -27,7 +27,8 @@ the partial sums in float32 and rounds once: the same sum in another order,
 equal to plain vLLM's in float32 up to rounding (greedy output identical on
 the test models, logprobs within 1e-4), not bit for bit.
 
-Host work (the rows may live on a GPU, the frames leave from host memory):
+Host work (the rows may live on a GPU; the headers, and the rows unless
+they go into a ``cuda_ipc`` slot, leave from host memory):
 :mod:`vllm_afd.connector.async_rows`.
 
 Waits: an attention rank waits at most ``timeout_s`` (``warmup_timeout_s``
@@ -455,6 +456,10 @@ class AsyncAttention(AsyncEndpoint):
         )
         if reply_is_output(pending.sent) and self._in_ring(out, pending.sent[0][0]):
             out = out.clone()  # the slot is written again DEPTH replies later
+        # The reads of GPU slots above are only queued: the next dispatch's
+        # wait for this stream, before any header leaves, is what lets an
+        # FFN rank write these slots again (stages on CUDA, running on
+        # streams of their own, would need an event per link instead).
         for f, _, seq in pending.sent:  # their slots may take other items now
             self.links[f].replied = max(self.links[f].replied, seq)
         return out

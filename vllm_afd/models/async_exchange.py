@@ -15,10 +15,11 @@ threads of their own (``worker.stages``): a stage sends its work items,
 hands the baton to the other stage, and reads its replies once the baton is
 back, so one stage's attention overlaps the other's experts.
 
-On a GPU the endpoint groups the rows there and copies only each FFN rank's
-work item to host memory, and adds the replies on the GPU (the frames
-travel over TCP; such a forward cannot be captured in a CUDA graph, which
-the config refuses).
+On a GPU the endpoint groups the rows there and writes each FFN rank's
+work item into host memory (``payload: socket`` or ``shared``) or into
+that rank's GPU slot (``cuda_ipc``), and adds the replies on the GPU. The
+headers travel over TCP either way, so such a forward cannot be captured in
+a CUDA graph, which the config refuses.
 
 Losing an FFN rank (it exited, shut down, or did not answer in
 ``timeout_s``) is the synchronous connector's story (``worker.ffn_link``):
@@ -128,8 +129,8 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
         if switch is not None and not switch.active():
             switch = None  # this forward runs whole
         try:
-            # on hidden's device: the endpoint copies to and from host memory
-            # only what crosses to each FFN rank
+            # on hidden's device: the endpoint moves only what crosses to each
+            # FFN rank (through host memory, or into its GPU slot)
             pending = endpoint.dispatch(
                 layer_idx, hidden, routing.to(hidden.device), parts,
                 self.shared_experts, timeout_s,
