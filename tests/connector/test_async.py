@@ -387,17 +387,23 @@ def test_grouping_and_combine_match_the_per_rank_reference_bit_for_bit(
         if case == "not-last":
             lo, hi = slices.bounds(ranks - 1)
             ids = ids % lo if lo else ids
-        routing = Routing(torch.rand(tokens, top_k, generator=g), ids.to(torch.int32))
-        groups = async_rows.group_rows(owners, slices, routing, shared)
+        weights = torch.rand(tokens, top_k, generator=g).to(dtype)
+        routing = Routing(weights, ids.to(torch.int32))
         want = _reference_groups(slices, routing, shared)
-        assert [gr.rank for gr in groups] == [w[0] for w in want], case
-        for gr, (_, rows, ids_f, w_f, counts) in zip(groups, want, strict=True):
-            assert (gr.rows is None) == (rows is None), case
-            if rows is not None:
-                assert torch.equal(gr.rows, rows)
-            assert torch.equal(gr.ids, ids_f) and gr.ids.dtype == torch.int32
-            assert torch.equal(_bits(gr.weights), _bits(w_f))
-            assert gr.counts == counts
+        # the CPU's NumPy grouping and the torch one of devices (run here on
+        # the CPU), each against the reference
+        for group in (async_rows._group_rows_host, async_rows._group_rows_device):
+            groups = group(owners, slices, routing, shared)
+            assert [gr.rank for gr in groups] == [w[0] for w in want], case
+            for gr, (_, rows, ids_f, w_f, counts) in zip(groups, want, strict=True):
+                assert (gr.rows is None) == (rows is None), case
+                if rows is not None:
+                    assert torch.equal(gr.rows, rows) and gr.rows.dtype == torch.int64
+                assert torch.equal(gr.ids, ids_f) and gr.ids.dtype == torch.int32
+                assert gr.weights.dtype == torch.float32
+                assert torch.equal(_bits(gr.weights), _bits(w_f))
+                assert gr.counts == counts
+        groups = async_rows.group_rows(owners, slices, routing, shared)
         for parts in (1, 2) if shared or ranks == 1 else (1,):
             hidden = torch.randn(tokens, width, generator=g).to(dtype)
             sent = [(gr.rank, gr.rows, 0) for gr in groups]

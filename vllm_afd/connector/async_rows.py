@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -68,12 +69,91 @@ def group_rows(
     0 when the model has shared experts.
 
     ``owners`` (:meth:`ExpertSlices.owners`) and ``routing`` on one device;
-    the groups' tensors are on it too. Reads from that device once for the
-    sizes, and once more for each rank that gets some rows but not all.
+    the groups' tensors are on it too. On the CPU the grouping runs in NumPy
+    (a torch operator costs several microseconds of dispatch here, NumPy's
+    one, and an exchange of a few rows is mostly such overhead); on a device
+    it reads from the device twice at most: the sizes, and the rows of the
+    ranks that get some rows but not all.
     """
+    if routing.topk_ids.device.type == "cpu":
+        return _group_rows_host(owners, slices, routing, shared_experts)
+    return _group_rows_device(owners, slices, routing, shared_experts)
+
+
+def _group_rows_host(
+    owners: torch.Tensor,
+    slices: ExpertSlices,
+    routing: Routing,
+    shared_experts: bool,
+) -> list[Group]:
+    """:func:`group_rows` of CPU tensors, in NumPy."""
+    ids = routing.topk_ids.numpy()
+    weights = routing.topk_weights
+    if weights.dtype != torch.float32:  # NumPy has no bfloat16
+        weights = weights.float()
+    w = weights.numpy()
+    tokens, ranks = ids.shape[0], slices.num_ffn_ranks
+    per_expert = np.bincount(ids.reshape(-1), minlength=slices.num_experts).tolist()
+    if ranks == 1:  # every row, every pair its own
+        ids_1 = np.ascontiguousarray(ids, dtype=np.int32)
+        w_1 = np.ascontiguousarray(w)
+        counts = tuple(per_expert)
+        return [Group(0, None, _tensor(ids_1), _tensor(w_1), counts)]
+    owner = owners.numpy()[ids]
+    groups = []
+    for f in range(ranks):
+        mine = owner == f
+        rows: np.ndarray | None = None
+        if not (shared_experts and f == SHARED_RANK):
+            chosen = mine.any(1)
+            n = int(np.count_nonzero(chosen))
+            if n == 0:
+                continue
+            if n < tokens:
+                rows = np.flatnonzero(chosen)
+        ids_f, w_f = (ids, w) if rows is None else (ids[rows], w[rows])
+        if rows is not None:
+            mine = mine[rows]
+        lo, hi = slices.bounds(f)
+        groups.append(
+            Group(
+                f,
+                None if rows is None else _tensor(rows),
+                _tensor(np.where(mine, ids_f, lo).astype(np.int32)),
+                _tensor(np.where(mine, w_f, np.float32(0.0))),
+                tuple(per_expert[lo:hi]),
+            )
+        )
+    return groups
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor sharing its memory; an empty one afresh (NumPy gives
+    an empty result strides of 0, which a byte view of it refuses)."""
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(t.shape, dtype=t.dtype)
+
+
+def _group_rows_device(
+    owners: torch.Tensor,
+    slices: ExpertSlices,
+    routing: Routing,
+    shared_experts: bool,
+) -> list[Group]:
+    """:func:`group_rows` in torch operators, for tensors on a device."""
     ids, weights = routing.topk_ids, routing.topk_weights
     tokens = ids.shape[0]
     ranks = slices.num_ffn_ranks
+    if ranks == 1:  # every row, every pair its own: one read, the counts
+        per_expert = torch.bincount(
+            ids.reshape(-1).long(), minlength=slices.num_experts
+        )
+        return [
+            Group(
+                0, None, ids.to(torch.int32), weights.to(torch.float32),
+                tuple(per_expert.tolist()),
+            )
+        ]  # fmt: skip
     owner = owners[ids.long()]
     # Which ranks each row chose, and the pairs on each expert: one read
     # from the device for both (the per-rank counts are slices of the
@@ -83,14 +163,25 @@ def group_rows(
     per_expert = torch.bincount(ids.reshape(-1).long(), minlength=slices.num_experts)
     sizes = torch.cat([chose.sum(0), per_expert]).tolist()
     rows_of, counts = sizes[:ranks], sizes[ranks:]
+    # the rows of every rank at once, rank by rank, each in ascending order:
+    # one more read, when some rank gets some rows but not all
+    split = any(
+        0 < rows_of[f] < tokens
+        for f in range(ranks)
+        if not (shared_experts and f == SHARED_RANK)
+    )
+    picked = chose.t().nonzero()[:, 1] if split else None
     groups = []
+    at = 0
     for f in range(ranks):
         rows: torch.Tensor | None = None
-        if ranks > 1 and not (shared_experts and f == SHARED_RANK):
+        first, at = at, at + rows_of[f]
+        if not (shared_experts and f == SHARED_RANK):
             if rows_of[f] == 0:
                 continue
             if rows_of[f] < tokens:
-                rows = chose[:, f].nonzero().squeeze(1)
+                assert picked is not None
+                rows = picked[first:at]
         lo, hi = slices.bounds(f)
         mine = pick_rows(owner, rows) == f
         ids_f = torch.where(mine, pick_rows(ids, rows), lo).to(torch.int32)
