@@ -5,7 +5,8 @@ replies.
 
 Host work: the rows may live on a GPU; the frames leave from host memory.
 The attention rank groups on the rows' device (one owner lookup, one
-per-expert count, the rows each FFN rank gets, their ids and weights), then
+per-expert count, the rows each FFN rank gets, their ids and weights; in
+NumPy on the CPU), then
 copies only each work item into a host buffer of its FFN rank that it keeps
 from one exchange to the next (pinned for a CUDA device, so the copies run
 asynchronously and one wait covers them all), and adds the replies on the
@@ -163,14 +164,9 @@ def _group_rows_device(
     per_expert = torch.bincount(ids.reshape(-1).long(), minlength=slices.num_experts)
     sizes = torch.cat([chose.sum(0), per_expert]).tolist()
     rows_of, counts = sizes[:ranks], sizes[ranks:]
-    # the rows of every rank at once, rank by rank, each in ascending order:
-    # one more read, when some rank gets some rows but not all
-    split = any(
-        0 < rows_of[f] < tokens
-        for f in range(ranks)
-        if not (shared_experts and f == SHARED_RANK)
-    )
-    picked = chose.t().nonzero()[:, 1] if split else None
+    # the rows of every rank, rank by rank, each in ascending order: read
+    # once, by the first rank that gets some rows but not all
+    picked: torch.Tensor | None = None
     groups = []
     at = 0
     for f in range(ranks):
@@ -180,7 +176,8 @@ def _group_rows_device(
             if rows_of[f] == 0:
                 continue
             if rows_of[f] < tokens:
-                assert picked is not None
+                if picked is None:
+                    picked = chose.t().nonzero()[:, 1]
                 rows = picked[first:at]
         lo, hi = slices.bounds(f)
         mine = pick_rows(owner, rows) == f
