@@ -3,9 +3,9 @@ the experts split over the FFN ranks, token-for-token against plain vLLM on
 the same GPU (16 prompts of 1-200 tokens). The 1A1F cases stage their rows
 through host memory (``payload: socket``); the split case runs on both
 planes, host-staged and device to device (``payload: cuda_ipc``), so that a
-difference between them shows which plane it belongs to (on one H100 the
-``cuda_ipc`` case has failed on top-5 logprobs, greedy tokens identical,
-while the ``socket`` one passed: docs/prefill.md). On CPU the same
+difference between them shows which plane it belongs to (on one H100 in
+TF32 the ``cuda_ipc`` case failed on top-5 logprobs, greedy tokens
+identical; in IEEE float32 both passed on one H200: docs/prefill.md). On CPU the same
 topologies are checked in tests/e2e/test_families.py.
 
 1A1F runs in bf16 (one FFN rank runs vLLM's kernel on exactly plain vLLM's
