@@ -480,3 +480,68 @@ def test_plot_names_its_runs_as_the_table_does():
     assert plots.run_names(cfg) == (f"AFD {cfg['deployment']}", "plain vLLM")
     pd = dict(cfg, afd_label="PD 1P + AFD 1A1F", baseline_label="PD 1P + plain decode")
     assert plots.run_names(pd) == ("PD 1P + AFD 1A1F", "PD 1P + plain decode")
+
+
+def _error_server(status: int, stream_error: dict | None, body: dict | None):
+    """A stub HTTP server that answers like vLLM does when a request fails:
+    with ``status`` and ``body``, or with a 200 stream whose second event is
+    ``stream_error``."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            if body is not None:
+                self.wfile.write(json.dumps(body).encode())
+                return
+            choice = {"text": "a", "logprobs": {"tokens": ["token_id:1"]}}
+            chunk = {"choices": [choice]}
+            for event in (chunk, stream_error):
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _vllm_error(message: str, code: int) -> dict:
+    """The error body vLLM itself builds (its ErrorResponse model)."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    info = ErrorInfo(message=message, type="InternalServerError", code=code)
+    return ErrorResponse(error=info).model_dump()
+
+
+@pytest.mark.parametrize(
+    "where,stream", [("status", False), ("status", True), ("stream event", True)]
+)
+def test_a_failed_request_carries_the_servers_message(where: str, stream: bool):
+    """A 503 of an attention server whose FFN rank is missing, or an error
+    event in a stream that had started, is reported with the server's own
+    message (before, a stream's error event read as ``KeyError: 'choices'``)."""
+    from vllm_afd.cli.bench_workload import timed_request
+    from vllm_afd.cli.client import ServerError, stream_complete
+
+    message = "AFD: the FFN role is unavailable: ffn rank 0"
+    if where == "status":
+        server = _error_server(503, None, _vllm_error(message, 503))
+    else:
+        server = _error_server(200, _vllm_error(message, 500), None)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        res = timed_request(url, "m", Request(0, (5, 6), 4), stream=stream)
+        with pytest.raises(ServerError, match=message):
+            stream_complete(url, "m", "p", 4)
+    finally:
+        server.shutdown()
+    assert res.error is not None and message in res.error
+    expected = "HTTP 503: " if where == "status" else "ended the stream with an error"
+    assert expected in res.error and "KeyError" not in res.error

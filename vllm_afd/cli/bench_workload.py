@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.cli.client import post_json
+from vllm_afd.cli.client import ServerError, open_url, post_json, stream_event
 
 #: the text prompt windows are cut from (tokenized once by the server)
 CORPUS = (
@@ -233,14 +233,12 @@ def timed_request(
     ids: list[int] = []
     n_out = 0
     try:
-        with urllib.request.urlopen(http, timeout=timeout) as resp:
+        with open_url(http, timeout) as resp:
             if not stream:
                 n_out = json.loads(resp.read())["usage"]["completion_tokens"]
             for raw in resp if stream else ():
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[5:])["choices"]:
+                event = stream_event(raw.decode().strip())
+                for choice in event["choices"] if event is not None else ():
                     new = _token_ids(choice)
                     if not new:
                         continue
@@ -252,7 +250,7 @@ def timed_request(
                     last = now
                     ids += new
             n_out = n_out or len(ids)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, ServerError) as exc:
         return RequestResult.failed(req.index, len(req.prompt), req.output_len, exc)
     end = time.perf_counter()
     return RequestResult(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,13 +20,71 @@ DEMO_PROMPTS = (
 )
 
 
+class ServerError(RuntimeError):
+    """The server answered a request with an error: an HTTP error status, or
+    an error event in place of a streamed chunk (the status was already
+    sent). The message is the server's own."""
+
+
+def error_message(body: Any) -> str | None:
+    """The message of an OpenAI-style error body, ``{"error": {"message":
+    ...}}`` or ``{"message": ...}``; None when ``body`` is not an error."""
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    if error is not None:
+        return str(error)
+    if body.get("object") == "error":
+        return str(body.get("message") or body)
+    return None
+
+
+def stream_event(line: str) -> dict[str, Any] | None:
+    """One server-sent event line of a streamed completion: its chunk, or
+    None for a line that carries none (a comment, ``[DONE]``).
+
+    Raises:
+        ServerError: the event is the server's error (vLLM ends a stream
+            whose request failed with one).
+    """
+    if not line.startswith("data:") or line == "data: [DONE]":
+        return None
+    event = json.loads(line[5:])
+    message = error_message(event)
+    if message is not None:
+        raise ServerError(f"the server ended the stream with an error: {message}")
+    return event
+
+
+def _http_error(exc: urllib.error.HTTPError) -> ServerError:
+    try:
+        message = error_message(json.loads(exc.read() or b"null"))
+    except (OSError, ValueError):
+        message = None
+    return ServerError(f"HTTP {exc.code}: {message or exc.reason}")
+
+
+def open_url(req: urllib.request.Request | str, timeout: float) -> Any:
+    """``urllib.request.urlopen`` whose HTTP errors carry the server's message.
+
+    Raises:
+        ServerError: the server answered with an error status.
+    """
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raise _http_error(exc) from None
+
+
 def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> Any:
     req = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with open_url(req, timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -78,12 +137,11 @@ def stream_complete(base_url: str, model: str, prompt: str, max_tokens: int) -> 
         headers={"Content-Type": "application/json"},
     )
     parts = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
+    with open_url(req, 300) as resp:
         for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            parts.append(json.loads(line[5:])["choices"][0]["text"])
+            event = stream_event(raw.decode().strip())
+            if event is not None:
+                parts.append(event["choices"][0]["text"])
     return "".join(parts)
 
 
