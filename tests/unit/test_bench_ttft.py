@@ -87,9 +87,9 @@ def test_each_run_has_a_cache_salt_vllm_accepts_and_failures_are_shown():
     assert bt.cache_salt("AFD async 1A2F", 2.5) == "AFD-async-1A2F-2.5"
     assert bt.cache_salt("a/b@c\\d", 1) == "a-b-c-d-1"
     row = {"target": bt.PLAIN, "rate": 1.0, **bt.figures([], 3, 1.0, 1.0)}
-    row["first_error"] = "HTTPError: HTTP Error 400: Bad Request"
+    row["first_error"] = "ServerError: HTTP 400: cache_salt is invalid"
     table = bt.format_table(bt.with_ratios([row]), 1000.0)
-    assert "plain vLLM at 1 req/s: 3 failed, first: HTTPError" in table
+    assert "plain vLLM at 1 req/s: 3 failed, first: ServerError: HTTP 400" in table
 
 
 def test_the_breakdown_is_the_counters_growth_per_completed_request():
