@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.cli.client import ServerError, open_url, post_json, stream_event
+from vllm_afd.cli.client import open_url, post_json, stream_event
 
 #: the text prompt windows are cut from (tokenized once by the server)
 CORPUS = (
@@ -250,7 +250,7 @@ def timed_request(
                     last = now
                     ids += new
             n_out = n_out or len(ids)
-    except (OSError, ValueError, KeyError, ServerError) as exc:
+    except (OSError, ValueError, KeyError) as exc:  # ServerError is an OSError
         return RequestResult.failed(req.index, len(req.prompt), req.output_len, exc)
     end = time.perf_counter()
     return RequestResult(

@@ -20,10 +20,12 @@ DEMO_PROMPTS = (
 )
 
 
-class ServerError(RuntimeError):
+class ServerError(OSError):
     """The server answered a request with an error: an HTTP error status, or
     an error event in place of a streamed chunk (the status was already
-    sent). The message is the server's own."""
+    sent). The message is the server's own. An ``OSError``, as urllib's
+    ``HTTPError`` is, so that callers which handle a failed request keep
+    handling it."""
 
 
 def error_message(body: Any) -> str | None:
