@@ -844,3 +844,43 @@ def test_the_attention_link_serves_zeros_names_the_lost_rank_and_rejoins(monkeyp
         link.close()
         for loop in everything:
             loop.stop()
+
+
+def test_a_work_item_whose_compute_stalls_logs_the_ffn_stack(caplog):
+    """The async FFN loop's stall watch: a work item's compute that does not
+    return logs the serving thread's stack after ``stall_after_s``, naming
+    the item, its attention rank, layer and rows; the reply then arrives."""
+    from vllm_afd.worker.async_loop import AsyncFFNLoop
+
+    caplog.set_level("WARNING", logger="vllm_afd.worker.stall_watch")
+    release = threading.Event()
+
+    def held(layer: int, batch) -> torch.Tensor:
+        release.wait(30)
+        return _expert_sum(batch.hidden, batch.routing)
+
+    att, (ffn,) = _pair()
+    loop = AsyncFFNLoop(ffn, held, stall_after_s=0.2, name="ffn rank 0")
+    loop.start()
+    try:
+        hidden, routing = _inputs(0, 1, LAYERS[0], 4)
+        pending = att.dispatch(LAYERS[0], hidden, routing, 1, False, 30.0)
+        deadline = time.monotonic() + 10
+        while not any("computing for" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "no stall logged"
+            threading.Event().wait(0.02)
+        (msg,) = [
+            r.getMessage() for r in caplog.records if "computing" in r.getMessage()
+        ]
+        assert msg.startswith(
+            f"AFD ffn rank 0: work item 1 of attention rank 0 (layer {LAYERS[0]}, "
+            "4 rows): computing for "
+        ), msg
+        assert "in held" in msg, msg
+        release.set()
+        got = att.finish(pending, 30.0)
+        assert torch.equal(got, _expert_sum(hidden, routing))
+    finally:
+        release.set()
+        att.close()
+        loop.stop()

@@ -237,3 +237,61 @@ def test_metrics_read_the_ffn_counters_between_steps_only() -> None:
         attn.close()
         loop.stop()
         ffn.close()
+
+
+def _records(caplog, text: str, deadline_s: float = 10.0) -> list[str]:
+    """The stall log's messages holding ``text``, waiting up to ``deadline_s``
+    for the first."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while True:
+        found = [r.getMessage() for r in caplog.records if text in r.getMessage()]
+        if found or time.monotonic() > end:
+            return found
+        threading.Event().wait(0.02)
+
+
+def test_a_stalled_phase_of_the_ffn_logs_its_stack_and_a_wait_does_not(
+    caplog,
+) -> None:
+    """A compute that does not return logs the serving thread's stack after
+    ``stall_after_s`` (naming the step, its mode, the layer and the function
+    it is in), then how long it took once it returns; the FFN rank waiting
+    longer for an attention rank's rows logs nothing."""
+    caplog.set_level("WARNING", logger="vllm_afd.worker.stall_watch")
+    release = threading.Event()
+
+    def stuck_at_layer_1(layer_idx: int, batch) -> torch.Tensor:
+        if layer_idx == 1:
+            release.wait(30)
+        return _compute(layer_idx, batch)
+
+    ffn, (attn,) = _pair()
+    _start_all(ffn, attn)
+    loop = FFNLoop(ffn, stuck_at_layer_1, LAYERS, stall_after_s=0.2, name="ffn rank 0")
+    loop.start()
+    try:
+        attn.send_plan(StepPlan(1, ExecMode.EAGER, (3,)))
+        attn.send_a2f(0, 0, torch.ones(3, HIDDEN))
+        attn.recv_f2a(0, 0)
+        threading.Event().wait(0.6)  # the FFN waits for layer 1's rows: no report
+        assert not _records(caplog, "AFD ffn rank 0", deadline_s=0)
+        attn.send_a2f(1, 0, torch.ones(3, HIDDEN))
+        (stalled,) = _records(caplog, "computing for")
+        assert stalled.startswith(
+            "AFD ffn rank 0: step 1 (EAGER, 3 tokens): layer 1, computing for "
+        ), stalled
+        assert "in stuck_at_layer_1" in stalled and "release.wait(30)" in stalled
+        release.set()
+        attn.recv_f2a(1, 0)
+        (ended,) = _records(caplog, "ended after")
+        assert ended.startswith("AFD ffn rank 0: step 1 (EAGER, 3 tokens): layer 1, ")
+        attn.send_a2f(2, 0, torch.ones(3, HIDDEN))
+        assert torch.equal(attn.recv_f2a(2, 0), torch.ones(3, HIDDEN) * 2 + 2)
+    finally:
+        release.set()
+        attn.close()
+        loop.stop()
+        ffn.close()
+    assert len(_records(caplog, "AFD ffn rank 0", deadline_s=0)) == 2

@@ -25,6 +25,7 @@ from vllm_afd.connector.payloads import A2FBatch
 from vllm_afd.errors import AFDConnectorError
 from vllm_afd.worker.compute_clock import ComputeClock, HostClock
 from vllm_afd.worker.ffn_loop import ComputeFn, FFNLoopStats
+from vllm_afd.worker.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,14 @@ class WorkSource(Protocol):
     def close(self, reason: str | None = None) -> None: ...
 
 
+def describe_item(item: WorkItem) -> str:
+    """A work item in the words of the stall log."""
+    return (
+        f"work item {item.seq} of attention rank {item.source} (layer "
+        f"{item.layer}, {item.hidden.shape[0]} rows)"
+    )
+
+
 class AsyncFFNLoop:
     """Serves work items until every attention rank shut down, an error, or
     :meth:`stop`; the error is kept in :attr:`error` and handed to ``on_exit``."""
@@ -50,7 +59,11 @@ class AsyncFFNLoop:
         *,
         on_exit: Callable[[BaseException | None], None] | None = None,
         clock: ComputeClock | None = None,
+        stall_after_s: float | None = None,
+        name: str = "ffn rank",
     ) -> None:
+        """``stall_after_s`` and ``name``: as for :class:`FFNLoop` (a work
+        item's compute or reply that lasts this long logs the stack)."""
         self.endpoint = endpoint
         self.compute = compute
         self.on_exit = on_exit
@@ -58,19 +71,33 @@ class AsyncFFNLoop:
         self.error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self.watch = (
+            StallWatch(name, stall_after_s, describe_item)
+            if stall_after_s is not None
+            else None
+        )
 
     def serve(self, item: WorkItem) -> None:
         """Compute one work item and reply."""
+        watch = self.watch
         with self.stats.in_step:
+            if watch is not None:
+                watch.phase(item, "computing")
             with self.stats.clock.span():
                 out = self.compute(item.layer, A2FBatch(item.hidden, item.routing))
+            if watch is not None:
+                watch.phase(item, "replying")
             self.endpoint.reply(item, out)
+            if watch is not None:
+                watch.idle()
             self.stats.steps += 1
             self.stats.tokens += item.hidden.shape[0]
             self.stats.last_batch_tokens = item.hidden.shape[0]
 
     def run(self) -> None:
         error: BaseException | None = None
+        if self.watch is not None:
+            self.watch.start()
         try:
             while not self._stopping.is_set():
                 item = self.endpoint.next_item()
@@ -84,6 +111,8 @@ class AsyncFFNLoop:
                 trace = None if isinstance(exc, AFDConnectorError) else exc
                 logger.error("AFD async FFN loop failed: %s", exc, exc_info=trace)
         finally:
+            if self.watch is not None:
+                self.watch.stop()
             if self.on_exit is not None:
                 self.on_exit(error)
 

@@ -37,6 +37,7 @@ from vllm_afd.connector.plan import MergedPlan
 from vllm_afd.connector.protocol import ExecMode
 from vllm_afd.errors import AFDConnectorError, AFDPeerStopped
 from vllm_afd.worker.compute_clock import ComputeClock, HostClock
+from vllm_afd.worker.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,14 @@ class FFNLoopStats:
         return self.clock.seconds()
 
 
+_WAITING = "waiting for the attention ranks' rows"
+
+
+def describe_plan(plan: Any) -> str:
+    """A merged step in the words of the stall log."""
+    return f"step {plan.step_id} ({plan.mode.name}, {plan.num_tokens} tokens)"
+
+
 class FFNLoop:
     """Drives one FFN endpoint until its peers shut down or it is stopped."""
 
@@ -123,7 +132,13 @@ class FFNLoop:
         on_step: Callable[[Any], None] | None = None,
         graphs: StepGraphs | None = None,
         clock: ComputeClock | None = None,
+        stall_after_s: float | None = None,
+        name: str = "ffn rank",
     ) -> None:
+        """``stall_after_s``: log the serving thread's stack when one phase of
+        its own work in a step (not the wait for the attention ranks) lasts
+        this long (:mod:`vllm_afd.worker.stall_watch`); None: not watched.
+        ``name`` names the rank in that log."""
         self.connector = connector
         self.graphs = graphs
         self.compute = compute
@@ -134,6 +149,11 @@ class FFNLoop:
         self.error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self.watch = (
+            StallWatch(name, stall_after_s, describe_plan)
+            if stall_after_s is not None
+            else None
+        )
 
     def run_step(self, plan: Any) -> None:
         """Serve one merged plan: eagerly, or by capturing or replaying a graph."""
@@ -143,27 +163,36 @@ class FFNLoop:
     def _run_step(self, plan: Any) -> None:
         if self.on_step is not None:
             self.on_step(plan)
+        watch = self.watch
         if plan.mode is ExecMode.CAPTURE:
             if self.graphs is None:
                 raise AFDConnectorError(
                     f"step {plan.step_id}: the attention role captures a CUDA "
                     "graph, but this FFN rank cannot capture graphs on its device"
                 )
+            if watch is not None:
+                watch.phase(plan, "capturing its graph")
             self.graphs.capture(plan, lambda: self._serve_and_flush(plan))
             self.stats.graph_captures += 1
-        elif (
-            plan.mode is ExecMode.REPLAY
-            and self.graphs is not None
-            and self.graphs.replay(plan)
-        ):
+        elif plan.mode is ExecMode.REPLAY and self._replayed(plan):
             self.connector.account_graph_step()
             self.stats.graph_replays += 1
         else:
             self._serve(plan)
+        if watch is not None:
+            watch.idle()
         self.stats.steps += 1
         self.stats.ubatched_steps += plan.num_ubatches > 1
         self.stats.tokens += plan.num_tokens
         self.stats.last_batch_tokens = plan.num_tokens
+
+    def _replayed(self, plan: Any) -> bool:
+        """Replay the graph of ``plan``'s layout; False when there is none."""
+        if self.graphs is None:
+            return False
+        if self.watch is not None:
+            self.watch.phase(plan, "replaying its graph")
+        return self.graphs.replay(plan)
 
     def _serve_and_flush(self, plan: Any) -> None:
         self._serve(plan)
@@ -171,19 +200,27 @@ class FFNLoop:
 
     def _serve(self, plan: Any) -> None:
         """Every remote layer and ubatch of ``plan``, the compute timed."""
-        clock = self.stats.clock
+        clock, watch = self.stats.clock, self.watch
         for layer_idx in self.remote_layers:
             for ubatch_idx in range(plan.num_ubatches):
                 if plan.ubatch_tokens[ubatch_idx] == 0:
                     continue
+                if watch is not None:
+                    watch.phase(plan, _WAITING, layer_idx, waiting=True)
                 batch = self.connector.recv_a2f(layer_idx, ubatch_idx)
+                if watch is not None:
+                    watch.phase(plan, "computing", layer_idx)
                 with clock.span():
                     out = self.compute(layer_idx, batch)
+                if watch is not None:
+                    watch.phase(plan, "replying", layer_idx)
                 self.connector.send_f2a(layer_idx, ubatch_idx, out)
 
     def run(self) -> None:
         """Loop until the peers shut down, :meth:`stop` is called, or an error."""
         error: BaseException | None = None
+        if self.watch is not None:
+            self.watch.start()
         try:
             while not self._stopping.is_set():
                 plan = self.connector.recv_plan()
@@ -202,6 +239,8 @@ class FFNLoop:
                 trace = None if isinstance(exc, AFDConnectorError) else exc
                 logger.error("AFD FFN loop failed: %s", exc, exc_info=trace)
         finally:
+            if self.watch is not None:
+                self.watch.stop()
             if self.on_exit is not None:
                 self.on_exit(error)
 

@@ -125,6 +125,7 @@ class FFNSideMixin(AFDRunnerMixin):
             compute,
             on_exit=self._afd_async_loop_exited,
             clock=clock_for(self.device),
+            **_stall_watch(endpoint),
         )
         self.afd_metrics = endpoint_publisher("ffn", endpoint.role_rank, work, loop)
         loop.start()
@@ -188,6 +189,7 @@ class FFNSideMixin(AFDRunnerMixin):
             on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
             clock=clock_for(self.device),
+            **_stall_watch(endpoint),
         )
         if endpoint.connector is not None:
             self.afd_metrics = endpoint_publisher(
@@ -359,3 +361,13 @@ class FFNSideMixin(AFDRunnerMixin):
             self.afd_async_loop.stop()
             self.afd_async_loop = None
         super().afd_close()
+
+
+def _stall_watch(endpoint: Endpoint) -> dict[str, Any]:
+    """The loop's stall watch: half the connector's ``timeout_s``, so that a
+    stalled phase is logged before the attention ranks give up on it."""
+    timeout_s = endpoint.afd.connector_extra_config.get("timeout_s")
+    name = f"ffn rank {endpoint.role_rank}"
+    if endpoint.tp_rank:
+        name += f" (tp rank {endpoint.tp_rank})"
+    return {"stall_after_s": timeout_s / 2 if timeout_s else None, "name": name}
