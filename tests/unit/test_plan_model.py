@@ -722,3 +722,59 @@ def test_plain_vllm_is_measured_where_the_shared_deployments_hold_sequences() ->
 
     assert plain_batches([1, 8, 32], [2, 3]) == [1, 2, 3, 8, 16, 24, 32, 64, 96]
     assert plain_batches([1, 4, 16]) == [1, 4, 16]  # separate devices
+
+
+def test_a_kA1F_that_fails_in_the_profile_keeps_the_sharing_measured_before(
+    monkeypatch, capsys
+) -> None:
+    """The profile on a shared device: 3A1F fails (its requests fail, as a
+    stalled deployment's do), so S_3 and 4A1F are not measured, but the
+    profile keeps 1A1F, plain vLLM and S_2 instead of losing them; a failing
+    2A1F, with no sharing measured, still ends the profile."""
+    import contextlib
+
+    from vllm_afd.cli import plan_profile
+
+    started: list[int] = []
+
+    @contextlib.contextmanager
+    def deployment(spec, ranks, log, contexts, decode_tokens, ubatches=1):
+        started.append(ranks)
+        if ranks in failing:
+            raise RuntimeError(f"AFD {ranks}A1F: 24 request(s) failed: HTTP 503")
+        yield "http://127.0.0.1:1", [], "m"
+
+    @contextlib.contextmanager
+    def plain(spec, tp, log):
+        yield type("Plain", (), {"url": "http://127.0.0.1:2"})
+
+    step = lambda ms: lambda *a: lambda c, b, seed: Point(c, b, ms / 1e3)  # noqa: E731
+    monkeypatch.setattr(plan_profile, "_afd", deployment)
+    monkeypatch.setattr(plan_profile, "_plain", plain)
+    monkeypatch.setattr(plan_profile, "_check_lengths", lambda *a: "m")
+    monkeypatch.setattr(plan_profile, "warm_up", lambda *a: None)
+    monkeypatch.setattr(
+        plan_profile, "measure_afd_point",
+        lambda url, f, s, c, b, *a: Point(c, b, 0.010, wait_s=0.003, ffn_s=0.002),
+    )  # fmt: skip
+    monkeypatch.setattr(plan_profile, "_plain_measure", step(8))
+    monkeypatch.setattr(plan_profile, "_step_measure", step(12))
+    spec = plan_cli._spec(_args(), 0)
+
+    def run():
+        return plan_profile.profile(
+            spec, [128], [1, 8], 16, "cpu", sharing_ranks=[2, 3, 4], log=LogWatch()
+        )
+
+    failing = {3}
+    prof, points = run()
+    assert started == [1, 2, 3]
+    assert sorted(prof.sharing) == [2] and "shared3" not in points
+    assert points["afd"] and points["plain"] and points["shared2"]
+    err = capsys.readouterr().err
+    assert "AFD 3A1F failed (AFD 3A1F: 24 request(s) failed: HTTP 503)" in err
+    assert "keeps S_k of 2A1F" in err and "charged S_2 for each rank beyond" in err
+    assert "AFD 4A1F not measured: a deployment of fewer attention ranks failed" in err
+    failing, started[:] = {2}, []
+    with pytest.raises(RuntimeError, match="AFD 2A1F"):
+        run()

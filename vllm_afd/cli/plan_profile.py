@@ -45,7 +45,7 @@ from vllm_afd.cli.plan_fit import (
     measure_point,
 )
 from vllm_afd.cli.plan_model import Profile
-from vllm_afd.deploy import Deployment, DeploymentSpec, PlainServer
+from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
 from vllm_afd.deploy.commands import BIND_ENV, core_shares
 
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -392,6 +392,7 @@ def profile(
             )
     # Phases timed by their step alone: (phase, attention ranks, micro-batches,
     # label, why)
+    shared: list[int] = []
     for name, ranks, ubatches, label, why in (
         *((f"shared{k}", k, 1, f"AFD {k}A1F", f"what attention rank {k} costs "
            "the shared device") for k in sharing_ranks),
@@ -399,15 +400,33 @@ def profile(
     ):  # fmt: skip
         if name not in phases:
             continue
+        sharing = name.startswith("shared")
+        if sharing and len(shared) < sharing_ranks.index(ranks):
+            say(f"{label} not measured: a deployment of fewer attention ranks failed")
+            continue
         say(f"starting {label} to measure {why} ...")
-        dep = _afd(spec, ranks, log, contexts, decode_tokens, ubatches=ubatches)
-        with dep as (url, _, served):
-            points[name] = each(
-                label, _step_measure(url, served, ranks, label, decode_tokens, say)
+        try:
+            dep = _afd(spec, ranks, log, contexts, decode_tokens, ubatches=ubatches)
+            with dep as (url, _, served):
+                points[name] = each(
+                    label, _step_measure(url, served, ranks, label, decode_tokens, say)
+                )
+        except (LaunchError, RuntimeError, OSError) as exc:
+            if not sharing or not shared:
+                raise
+            say(
+                f"{label} failed ({str(exc).splitlines()[0][:200]}): the profile "
+                f"keeps S_k of {', '.join(f'{k}A1F' for k in shared)}, and a "
+                "deployment of more attention ranks per FFN rank is charged "
+                f"S_{shared[-1]} for each rank beyond (as beyond the budget); "
+                "--no-cache measures again"
             )
+            continue
+        if sharing:
+            shared.append(ranks)
     prof = build_profile(
         points["afd"], points["plain"], platform, decode_tokens,
-        shared={k: points[f"shared{k}"] for k in sharing_ranks},
+        shared={k: points[f"shared{k}"] for k in shared},
         ubatched=points.get("ubatched", ()),
         remote_layers=len(split["remote_layers"]) if split else 0,
         kv_attention=log.kv_of("attention"), kv_plain=log.kv_of("plain"),
