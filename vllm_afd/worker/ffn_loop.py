@@ -196,6 +196,8 @@ class FFNLoop:
 
     def _serve_and_flush(self, plan: Any) -> None:
         self._serve(plan)
+        if self.watch is not None:  # what is left is the capture's own
+            self.watch.phase(plan, "capturing its graph")
         self.connector.flush()
 
     def _serve(self, plan: Any) -> None:
