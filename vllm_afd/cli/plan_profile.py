@@ -414,8 +414,9 @@ def profile(
         except (LaunchError, RuntimeError, OSError) as exc:
             if not sharing or not shared:
                 raise
+            why = (str(exc) or type(exc).__name__).splitlines()[0][:200]
             say(
-                f"{label} failed ({str(exc).splitlines()[0][:200]}): the profile "
+                f"{label} failed ({why}): the profile "
                 f"keeps S_k of {', '.join(f'{k}A1F' for k in shared)}, and a "
                 "deployment of more attention ranks per FFN rank is charged "
                 f"S_{shared[-1]} for each rank beyond (as beyond the budget); "

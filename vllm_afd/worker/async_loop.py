@@ -61,6 +61,7 @@ class AsyncFFNLoop:
         clock: ComputeClock | None = None,
         stall_after_s: float | None = None,
         name: str = "ffn rank",
+        stall_note: str = "",
     ) -> None:
         """``stall_after_s`` and ``name``: as for :class:`FFNLoop` (a work
         item's compute or reply that lasts this long logs the stack)."""
@@ -72,7 +73,7 @@ class AsyncFFNLoop:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.watch = (
-            StallWatch(name, stall_after_s, describe_item)
+            StallWatch(name, stall_after_s, describe_item, stall_note)
             if stall_after_s is not None
             else None
         )

@@ -134,11 +134,12 @@ class FFNLoop:
         clock: ComputeClock | None = None,
         stall_after_s: float | None = None,
         name: str = "ffn rank",
+        stall_note: str = "",
     ) -> None:
         """``stall_after_s``: log the serving thread's stack when one phase of
         its own work in a step (not the wait for the attention ranks) lasts
         this long (:mod:`vllm_afd.worker.stall_watch`); None: not watched.
-        ``name`` names the rank in that log."""
+        ``name`` names the rank in that log, ``stall_note`` ends each report."""
         self.connector = connector
         self.graphs = graphs
         self.compute = compute
@@ -150,7 +151,7 @@ class FFNLoop:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.watch = (
-            StallWatch(name, stall_after_s, describe_plan)
+            StallWatch(name, stall_after_s, describe_plan, stall_note)
             if stall_after_s is not None
             else None
         )

@@ -125,7 +125,7 @@ class FFNSideMixin(AFDRunnerMixin):
             compute,
             on_exit=self._afd_async_loop_exited,
             clock=clock_for(self.device),
-            **_stall_watch(endpoint),
+            **_stall_watch(endpoint, self.device),
         )
         self.afd_metrics = endpoint_publisher("ffn", endpoint.role_rank, work, loop)
         loop.start()
@@ -189,7 +189,7 @@ class FFNSideMixin(AFDRunnerMixin):
             on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
             clock=clock_for(self.device),
-            **_stall_watch(endpoint),
+            **_stall_watch(endpoint, self.device),
         )
         if endpoint.connector is not None:
             self.afd_metrics = endpoint_publisher(
@@ -363,11 +363,25 @@ class FFNSideMixin(AFDRunnerMixin):
         super().afd_close()
 
 
-def _stall_watch(endpoint: Endpoint) -> dict[str, Any]:
+#: the stall log's caveat where the FFN's waits for rows run on the device
+DEVICE_WAITS = (
+    "on a GPU the waits for the attention ranks' rows can run on the device "
+    "(cuda_ipc, nccl), so a late attention rank can hold a launch too: see "
+    "their logs"
+)
+
+
+def _stall_watch(endpoint: Endpoint, device: torch.device) -> dict[str, Any]:
     """The loop's stall watch: half the connector's ``timeout_s``, so that a
     stalled phase is logged before the attention ranks give up on it."""
+    asynchronous = endpoint.work is not None
     timeout_s = endpoint.afd.connector_extra_config.get("timeout_s")
     name = f"ffn rank {endpoint.role_rank}"
     if endpoint.tp_rank:
         name += f" (tp rank {endpoint.tp_rank})"
-    return {"stall_after_s": timeout_s / 2 if timeout_s else None, "name": name}
+    return {
+        "stall_after_s": timeout_s / 2 if timeout_s else None,
+        "name": name,
+        # async waits for its work items on the host
+        "stall_note": "" if device.type == "cpu" or asynchronous else DEVICE_WAITS,
+    }
