@@ -848,9 +848,10 @@ def test_the_attention_link_serves_zeros_names_the_lost_rank_and_rejoins(monkeyp
 
 def test_a_work_item_whose_compute_stalls_logs_the_ffn_stack(caplog):
     """The async FFN loop's stall watch: a work item's compute that does not
-    return logs the serving thread's stack after ``stall_after_s``, naming
+    return logs the serving thread's stack after its bound, naming
     the item, its attention rank, layer and rows; the reply then arrives."""
-    from vllm_afd.worker.async_loop import AsyncFFNLoop
+    from vllm_afd.worker.async_loop import AsyncFFNLoop, describe_item
+    from vllm_afd.worker.stall_watch import StallWatch
 
     caplog.set_level("WARNING", logger="vllm_afd.worker.stall_watch")
     release = threading.Event()
@@ -860,7 +861,8 @@ def test_a_work_item_whose_compute_stalls_logs_the_ffn_stack(caplog):
         return _expert_sum(batch.hidden, batch.routing)
 
     att, (ffn,) = _pair()
-    loop = AsyncFFNLoop(ffn, held, stall_after_s=0.2, name="ffn rank 0")
+    watch = StallWatch("ffn rank 0", 0.2, describe_item)
+    loop = AsyncFFNLoop(ffn, held, watch=watch)
     loop.start()
     try:
         hidden, routing = _inputs(0, 1, LAYERS[0], 4)

@@ -11,7 +11,8 @@ import torch
 from vllm_afd.config import parse_afd_config
 from vllm_afd.connector import ExecMode, Fingerprint, StepPlan, create_connector
 from vllm_afd.errors import AFDPeerError, AFDPeerStopped
-from vllm_afd.worker.ffn_loop import FFNLoop
+from vllm_afd.worker.ffn_loop import FFNLoop, describe_plan
+from vllm_afd.worker.stall_watch import StallWatch
 
 HIDDEN = 8
 LAYERS = (0, 1, 2)
@@ -256,7 +257,7 @@ def test_a_stalled_phase_of_the_ffn_logs_its_stack_and_a_wait_does_not(
     caplog,
 ) -> None:
     """A compute that does not return logs the serving thread's stack after
-    ``stall_after_s`` (naming the step, its mode, the layer and the function
+    its bound (naming the step, its mode, the layer and the function
     it is in), then how long it took once it returns; the FFN rank waiting
     longer for an attention rank's rows logs nothing."""
     caplog.set_level("WARNING", logger="vllm_afd.worker.stall_watch")
@@ -269,7 +270,8 @@ def test_a_stalled_phase_of_the_ffn_logs_its_stack_and_a_wait_does_not(
 
     ffn, (attn,) = _pair()
     _start_all(ffn, attn)
-    loop = FFNLoop(ffn, stuck_at_layer_1, LAYERS, stall_after_s=0.2, name="ffn rank 0")
+    watch = StallWatch("ffn rank 0", 0.2, describe_plan)
+    loop = FFNLoop(ffn, stuck_at_layer_1, LAYERS, watch=watch)
     loop.start()
     try:
         attn.send_plan(StepPlan(1, ExecMode.EAGER, (3,)))

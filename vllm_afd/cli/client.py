@@ -30,17 +30,12 @@ class ServerError(OSError):
 
 def error_message(body: Any) -> str | None:
     """The message of an OpenAI-style error body, ``{"error": {"message":
-    ...}}`` or ``{"message": ...}``; None when ``body`` is not an error."""
-    if not isinstance(body, dict):
-        return None
-    error = body.get("error")
+    ...}}`` (vLLM's and the attention server's 503) or ``{"error": "..."}``;
+    None when ``body`` is not an error."""
+    error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
         return str(error.get("message") or error)
-    if error is not None:
-        return str(error)
-    if body.get("object") == "error":
-        return str(body.get("message") or body)
-    return None
+    return None if error is None else str(error)
 
 
 def stream_event(line: str) -> dict[str, Any] | None:

@@ -59,12 +59,10 @@ class AsyncFFNLoop:
         *,
         on_exit: Callable[[BaseException | None], None] | None = None,
         clock: ComputeClock | None = None,
-        stall_after_s: float | None = None,
-        name: str = "ffn rank",
-        stall_note: str = "",
+        watch: StallWatch | None = None,
     ) -> None:
-        """``stall_after_s`` and ``name``: as for :class:`FFNLoop` (a work
-        item's compute or reply that lasts this long logs the stack)."""
+        """``watch``: as for :class:`FFNLoop`, the unit a work item (in the
+        words of :func:`describe_item`)."""
         self.endpoint = endpoint
         self.compute = compute
         self.on_exit = on_exit
@@ -72,11 +70,7 @@ class AsyncFFNLoop:
         self.error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self.watch = (
-            StallWatch(name, stall_after_s, describe_item, stall_note)
-            if stall_after_s is not None
-            else None
-        )
+        self.watch = watch
 
     def serve(self, item: WorkItem) -> None:
         """Compute one work item and reply."""

@@ -132,14 +132,12 @@ class FFNLoop:
         on_step: Callable[[Any], None] | None = None,
         graphs: StepGraphs | None = None,
         clock: ComputeClock | None = None,
-        stall_after_s: float | None = None,
-        name: str = "ffn rank",
-        stall_note: str = "",
+        watch: StallWatch | None = None,
     ) -> None:
-        """``stall_after_s``: log the serving thread's stack when one phase of
-        its own work in a step (not the wait for the attention ranks) lasts
-        this long (:mod:`vllm_afd.worker.stall_watch`); None: not watched.
-        ``name`` names the rank in that log, ``stall_note`` ends each report."""
+        """``watch``: told the phases of each step, so that one of the FFN's
+        own work that stalls is logged with the serving thread's stack
+        (:mod:`vllm_afd.worker.stall_watch`, steps in the words of
+        :func:`describe_plan`); None: not watched."""
         self.connector = connector
         self.graphs = graphs
         self.compute = compute
@@ -150,11 +148,7 @@ class FFNLoop:
         self.error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self.watch = (
-            StallWatch(name, stall_after_s, describe_plan, stall_note)
-            if stall_after_s is not None
-            else None
-        )
+        self.watch = watch
 
     def run_step(self, plan: Any) -> None:
         """Serve one merged plan: eagerly, or by capturing or replaying a graph."""

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,13 +34,14 @@ from vllm_afd.errors import (
     AFDPeerError,
     AFDTimeoutError,
 )
-from vllm_afd.worker.async_loop import AsyncFFNLoop
+from vllm_afd.worker.async_loop import AsyncFFNLoop, describe_item
 from vllm_afd.worker.compute_clock import clock_for
 from vllm_afd.worker.endpoint import Endpoint, open_endpoint
-from vllm_afd.worker.ffn_loop import FFNConnector, FFNLoop, StepGraphs
+from vllm_afd.worker.ffn_loop import FFNConnector, FFNLoop, StepGraphs, describe_plan
 from vllm_afd.worker.metrics import endpoint_publisher
 from vllm_afd.worker.profiling import StepProfiler
 from vllm_afd.worker.runner_base import AFDRunnerMixin
+from vllm_afd.worker.stall_watch import StallWatch
 from vllm_afd.worker.tp_relay import TPRelay
 
 logger = init_logger(__name__)
@@ -125,7 +127,8 @@ class FFNSideMixin(AFDRunnerMixin):
             compute,
             on_exit=self._afd_async_loop_exited,
             clock=clock_for(self.device),
-            **_stall_watch(endpoint, self.device),
+            # async waits for its work items on the host: no caveat to add
+            watch=_stall_watch(endpoint, describe_item),
         )
         self.afd_metrics = endpoint_publisher("ffn", endpoint.role_rank, work, loop)
         loop.start()
@@ -189,7 +192,11 @@ class FFNSideMixin(AFDRunnerMixin):
             on_step=self.afd_profiler.step,
             graphs=self._afd_step_graphs(),
             clock=clock_for(self.device),
-            **_stall_watch(endpoint, self.device),
+            watch=_stall_watch(
+                endpoint,
+                describe_plan,
+                DEVICE_WAITS if self.device.type != "cpu" else "",
+            ),
         )
         if endpoint.connector is not None:
             self.afd_metrics = endpoint_publisher(
@@ -371,17 +378,15 @@ DEVICE_WAITS = (
 )
 
 
-def _stall_watch(endpoint: Endpoint, device: torch.device) -> dict[str, Any]:
+def _stall_watch(
+    endpoint: Endpoint, describe: Callable[[Any], str], note: str = ""
+) -> StallWatch | None:
     """The loop's stall watch: half the connector's ``timeout_s``, so that a
     stalled phase is logged before the attention ranks give up on it."""
-    asynchronous = endpoint.work is not None
     timeout_s = endpoint.afd.connector_extra_config.get("timeout_s")
+    if not timeout_s:
+        return None
     name = f"ffn rank {endpoint.role_rank}"
     if endpoint.tp_rank:
         name += f" (tp rank {endpoint.tp_rank})"
-    return {
-        "stall_after_s": timeout_s / 2 if timeout_s else None,
-        "name": name,
-        # async waits for its work items on the host
-        "stall_note": "" if device.type == "cpu" or asynchronous else DEVICE_WAITS,
-    }
+    return StallWatch(name, timeout_s / 2, describe, note)

@@ -89,7 +89,6 @@ class StallWatch:
 
     def _next(self, phase: _Phase | None) -> None:
         with self._lock:
-            self._thread_id = threading.get_ident()
             done, self._phase = self._phase, phase
             if done is None or done is not self._reported:
                 return
@@ -107,7 +106,9 @@ class StallWatch:
         return f"{self.describe(step)}: {where}{what}"
 
     def start(self) -> threading.Thread:
-        """Start the watcher thread (a daemon; :meth:`stop` ends it)."""
+        """Start the watcher thread (a daemon; :meth:`stop` ends it). Called
+        by the serving thread: its stack is the one reported."""
+        self._thread_id = threading.get_ident()
         watcher = threading.Thread(
             target=self._watch, name="afd-stall-watch", daemon=True
         )
