@@ -441,7 +441,9 @@ def test_a_streamed_request_records_the_gap_before_each_token() -> None:
     assert res.error is None and res.token_ids == (1, 2, 3, 4)
     assert len(res.token_gaps_s) == 3  # tokens 2, 3 and 4
     one, half, other_half = res.token_gaps_s
-    assert one >= 0.05 and half == other_half and half >= 0.025
+    # the server sleeps 50 ms between chunks; the client reads each chunk's
+    # arrival, which can come a little sooner or later than that
+    assert one > 0.03 and half == other_half and 2 * half > 0.03
     assert bodies[0]["cache_salt"] == "s1"
 
 
