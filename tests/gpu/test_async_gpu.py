@@ -1,6 +1,8 @@
-"""The ``async`` connector on one GPU: every role on GPU 0 under MPS, eager,
-the experts split over the FFN ranks, token-for-token against plain vLLM on
-the same GPU (16 prompts of 1-200 tokens). The 1A1F cases stage their rows
+"""The ``async`` connector on one GPU: every role on GPU 0 under MPS, eager
+or with the attention role in piecewise CUDA graphs (the exchange a
+splitting op between them, tests/unit/test_async_graphs.py), the experts
+split over the FFN ranks, token-for-token against plain vLLM on the same GPU
+and settings (16 prompts of 1-200 tokens). The 1A1F cases stage their rows
 through host memory (``payload: socket``); the split case runs on both
 planes, host-staged and device to device (``payload: cuda_ipc``), so that a
 difference between them shows which plane it belongs to (on one H100 in
@@ -32,31 +34,40 @@ import pytest
 from gpu_harness import ONE_GPU_ARGS, afd_and_plain, same_count
 from harness import assert_same_outputs, make_spec, prompts
 
+from vllm_afd.models.exchange import SPLITTING_OP
+
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 #: logprob tolerance: bf16's resolution, or float32 sums in another order
 ATOL = {"bfloat16": 1e-2, "float32": 1e-4}
-#: (family, attention ranks, FFN ranks, the connector option payload)
+#: (family, attention ranks, FFN ranks, the connector option payload, graphs)
 CASES = [
-    ("qwen3_moe", 1, 2, "cuda_ipc"),
-    ("qwen3_moe", 1, 2, "socket"),
-    ("deepseek_v3", 1, 1, "socket"),
-    ("qwen3_moe", 1, 1, "socket"),
+    ("qwen3_moe", 1, 2, "cuda_ipc", "eager"),
+    ("qwen3_moe", 1, 2, "socket", "eager"),
+    ("deepseek_v3", 1, 1, "socket", "eager"),
+    ("qwen3_moe", 1, 1, "socket", "eager"),
+    ("qwen3_moe", 1, 1, "cuda_ipc", "piecewise"),
+    ("qwen3_moe", 1, 2, "cuda_ipc", "piecewise"),
 ]
+#: vLLM's compiled forward in piecewise CUDA graphs, on both servers
+PIECEWISE = ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}']
 
 
-def _args(ffn_ranks: int) -> list[str]:
-    """bf16 with one FFN rank, float32 with the experts split."""
-    if ffn_ranks == 1:
-        return ONE_GPU_ARGS
-    i = ONE_GPU_ARGS.index("--dtype")
-    return [*ONE_GPU_ARGS[:i], "--dtype", "float32", *ONE_GPU_ARGS[i + 2 :]]
+def _args(ffn_ranks: int, graphs: str) -> list[str]:
+    """bf16 with one FFN rank, float32 with the experts split; eager or
+    piecewise graphs."""
+    args = list(ONE_GPU_ARGS)
+    if ffn_ranks > 1:
+        args[args.index("--dtype") + 1] = "float32"
+    if graphs == "piecewise":
+        args = [a for a in args if a != "--enforce-eager"] + PIECEWISE
+    return args
 
 
 @pytest.mark.parametrize(
-    "arch,ranks,ffn_ranks,payload",
+    "arch,ranks,ffn_ranks,payload,graphs",
     CASES,
-    ids=[f"{a}-{n}A{f}F-{p}" for a, n, f, p in CASES],
+    ids=[f"{a}-{n}A{f}F-{p}-{g}" for a, n, f, p, g in CASES],
 )
 def test_async_on_one_gpu_equals_plain_vllm(
     gpu_tiny_models: dict[str, Path],
@@ -65,9 +76,10 @@ def test_async_on_one_gpu_equals_plain_vllm(
     ranks: int,
     ffn_ranks: int,
     payload: str,
+    graphs: str,
     mps: None,
 ) -> None:
-    args = _args(ffn_ranks)
+    args = _args(ffn_ranks, graphs)
     env = {}
     if "float32" in args:
         cache = tmp_path.parent / "triton-f32-ieee"  # shared by these cases
@@ -84,27 +96,12 @@ def test_async_on_one_gpu_equals_plain_vllm(
     )
     afd_out, plain_out, ffn = afd_and_plain(spec, prompts(16), tmp_path, env)
     same = same_count(afd_out, plain_out)
-    print(f"{arch} {ranks}A{ffn_ranks}F async, payload {payload}: {same}/16")
+    print(f"{arch} {ranks}A{ffn_ranks}F async, payload {payload}, {graphs}: {same}/16")
     assert_same_outputs(afd_out, plain_out, ATOL[args[args.index("--dtype") + 1]])
     assert ffn[("afd_steps", "ffn", "0")] > 0
-
-
-def test_async_refuses_cuda_graphs_on_cuda() -> None:
-    """A CUDA graph cannot capture the work items' trip through host memory:
-    the config names the settings that work."""
-    from types import SimpleNamespace
-
-    from vllm.config import CompilationConfig, CUDAGraphMode
-
-    from vllm_afd.compat.engine_config import check_async_supported
-    from vllm_afd.errors import AFDConfigError
-
-    parallel = SimpleNamespace(tensor_parallel_size=1)
-    graphs = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY)
-    with pytest.raises(AFDConfigError, match="--enforce-eager"):
-        check_async_supported(None, parallel, graphs)
-    eager = CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE)
-    check_async_supported(None, parallel, eager)
+    if graphs == "piecewise":  # the attention role captured them, split at the op
+        log = (tmp_path / "afd.log").read_text()
+        assert SPLITTING_OP in log and "PIECEWISE" in log, log[-3000:]
 
 
 def test_async_refuses_stages_on_cuda() -> None:

@@ -20,6 +20,7 @@ the wrapper calls the original and returns; with it, the wrapper
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,8 @@ from vllm_afd.compat.workers import (
 from vllm_afd.config import AFDConfig, afd_config_from_additional
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.topology import endpoint_rank
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -283,28 +286,19 @@ def check_graph_mode(compilation: Any, breakable: bool) -> None:
 
 
 def check_async_supported(afd: AFDConfig, parallel: Any, compilation: Any) -> None:
-    """What the ``async`` connector runs on today: CPU, or CUDA without CUDA
-    graphs (each work item's header travels over TCP from the host, its rows
-    through host memory or, with ``payload: cuda_ipc``, a GPU slot: a graph
-    cannot capture the host's part); one TP rank per rank
-    (an FFN rank takes work items from any attention rank in arrival order,
-    which its TP ranks would have to agree on first).
+    """What the ``async`` connector runs on today: CPU, or CUDA with the
+    attention role eager or in piecewise CUDA graphs (:func:`split_at_exchange`);
+    one TP rank per rank (an FFN rank takes work items from any attention
+    rank in arrival order, which its TP ranks would have to agree on first).
 
     Raises:
         AFDConfigError: naming the connector and the setting that clashes.
     """
-    from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda():
-        if compilation.cudagraph_mode != CUDAGraphMode.NONE:
-            raise AFDConfigError(
-                "afd.connector='async' on CUDA runs without CUDA graphs (the "
-                "host sends each work item's header over TCP, which a graph "
-                f"cannot capture; cudagraph_mode is "
-                f"{compilation.cudagraph_mode.name}): pass --enforce-eager, or "
-                '--compilation-config \'{"cudagraph_mode": "NONE"}\''
-            )
+        if afd.is_attention:
+            split_at_exchange(compilation)
     elif not current_platform.is_cpu():
         raise AFDConfigError(
             f"afd.connector='async' moves CPU or CUDA tensors over TCP; this "
@@ -317,6 +311,51 @@ def check_async_supported(afd: AFDConfig, parallel: Any, compilation: Any) -> No
             f"{parallel.tensor_parallel_size} is not supported yet: use more "
             "ranks instead (afd.num_attention_ranks, afd.num_ffn_ranks)"
         )
+
+
+def split_at_exchange(compilation: Any) -> None:
+    """The ``async`` attention role's CUDA graphs: piecewise, split at the
+    exchange (``models.exchange.SPLITTING_OP``, added to vLLM's splitting
+    ops), which then runs eagerly between two graphs: the host sends each
+    work item's header over TCP, which no graph can hold. vLLM's default
+    ``FULL_AND_PIECEWISE`` becomes ``PIECEWISE`` (logged); a mode with FULL
+    graphs only is refused.
+
+    Raises:
+        AFDConfigError: naming cudagraph_mode and the settings that work.
+    """
+    from vllm.config import CUDAGraphMode
+
+    from vllm_afd.models.exchange import SPLITTING_OP
+
+    mode = compilation.cudagraph_mode
+    if mode == CUDAGraphMode.NONE:
+        return
+    if mode == CUDAGraphMode.FULL_AND_PIECEWISE:
+        logger.warning(
+            "AFD: afd.connector='async' runs the attention role in piecewise "
+            "CUDA graphs only (a FULL graph would hold the exchange, whose "
+            "work items' headers the host sends): cudagraph_mode "
+            "FULL_AND_PIECEWISE -> PIECEWISE"
+        )
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode != CUDAGraphMode.PIECEWISE:
+        raise AFDConfigError(
+            "afd.connector='async' on CUDA runs the attention role in piecewise "
+            "CUDA graphs or eagerly: a FULL graph would hold the exchange, "
+            f"whose work items' headers the host sends (cudagraph_mode is "
+            f"{mode.name}). Pass --compilation-config "
+            '\'{"cudagraph_mode": "PIECEWISE"}\', or --enforce-eager'
+        )
+    if not compilation.splitting_ops:
+        raise AFDConfigError(
+            "afd.connector='async' with cudagraph_mode PIECEWISE needs vLLM's "
+            "splitting ops (compilation mode VLLM_COMPILE, splitting_ops not "
+            "set to []): the exchange runs between two graphs. Pass "
+            "--enforce-eager, or leave splitting_ops to vLLM"
+        )
+    if SPLITTING_OP not in compilation.splitting_ops:
+        compilation.splitting_ops.append(SPLITTING_OP)
 
 
 def check_device_sharing_supported(afd: AFDConfig) -> None:

@@ -18,8 +18,11 @@ back, so one stage's attention overlaps the other's experts.
 On a GPU the endpoint groups the rows there and writes each FFN rank's
 work item into host memory (``payload: socket`` or ``shared``) or into
 that rank's GPU slot (``cuda_ipc``), and adds the replies on the GPU. The
-headers travel over TCP either way, so such a forward cannot be captured in
-a CUDA graph, which the config refuses.
+headers travel over TCP either way, so the exchange itself cannot be
+captured in a CUDA graph: with piecewise graphs it is a splitting op
+(``exchange.SPLITTING_OP``), run eagerly between two graphs and writing
+into a tensor the graph before it allocated; the config refuses FULL graphs,
+and an exchange met inside a capture raises.
 
 Losing an FFN rank (it exited, shut down, or did not answer in
 ``timeout_s``) is the synchronous connector's story (``worker.ffn_link``):
@@ -41,8 +44,11 @@ import torch
 from vllm_afd.connector.async_ep import AsyncAttention
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.connector.protocol import ExecMode, StepPlan
-from vllm_afd.errors import AFDConnectorError, AFDError
-from vllm_afd.models.exchange import AttentionExchange
+from vllm_afd.errors import AFDConfigError, AFDConnectorError, AFDError
+from vllm_afd.models.exchange import SPLITTING_OP, AttentionExchange
+
+#: the modes of a step that serves requests (not a warm-up or a capture)
+_SERVED = (ExecMode.EAGER, ExecMode.REPLAY)
 
 
 class AsyncLink(Protocol):
@@ -81,9 +87,9 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
         self.is_endpoint = endpoint is not None
         self.shared_experts = shared_experts
         self._mode = ExecMode.WARMUP
-        # A served (EAGER) step finished its exchanges: from then on an
-        # exchange waits timeout_s (before: warmup_timeout_s, as the FFN may
-        # compile shapes it meets for the first time).
+        # A served step (EAGER, or a piecewise graph REPLAY) finished its
+        # exchanges: from then on an exchange waits timeout_s (before:
+        # warmup_timeout_s, as the FFN may compile shapes it meets first).
         self._served = False
 
     def begin_step(
@@ -92,7 +98,7 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
         """Count the step: the async exchange sends no plan."""
         ubatch_tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
         with self._lock:
-            if self._mode is ExecMode.EAGER and self.step_id > 0:
+            if self._mode in _SERVED and self.step_id > 0:
                 self._served = True
             self.step_id += 1
             self.ubatched_steps += len(ubatch_tokens) > 1
@@ -119,11 +125,20 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
                 f"layer {layer_idx}: the async connector exchanges MoE layers "
                 "routed on attention only (dense layers stay on attention)"
             )
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise AFDConfigError(
+                f"layer {layer_idx}: the async connector's exchange ran inside "
+                "a CUDA graph capture, which cannot hold its work items' "
+                "headers (sent from the host). It runs between piecewise "
+                f"graphs ({SPLITTING_OP} among vLLM's splitting_ops, which AFD "
+                "adds with cudagraph_mode PIECEWISE and compilation mode "
+                "VLLM_COMPILE), or eagerly (--enforce-eager)"
+            )
         endpoint = self.endpoint
         if endpoint is None or self.failure is not None:
             assert self.async_link is not None  # without a link it raised
             return _away(hidden, parts)
-        slow = self._mode is not ExecMode.EAGER or not self._served
+        slow = self._mode not in _SERVED or not self._served
         timeout_s = endpoint.warmup_timeout_s if slow else endpoint.timeout_s
         switch = self.switch
         if switch is not None and not switch.active():

@@ -317,6 +317,28 @@ def _ffn_exchange_routed_fake(
     return _output_like(hidden, parts)
 
 
+def _ffn_exchange_routed_out(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_idx: int,
+    parts: int = 1,
+) -> None:
+    out.copy_(_ffn_exchange_routed(hidden, topk_weights, topk_ids, layer_idx, parts))
+
+
+def _ffn_exchange_routed_out_fake(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_idx: int,
+    parts: int = 1,
+) -> None:
+    return None
+
+
 _lib = torch.library.Library("vllm_afd", "FRAGMENT")
 _lib.define("ffn_exchange(Tensor hidden, int layer_idx, int parts=1) -> Tensor")
 _lib.impl("ffn_exchange", _ffn_exchange, "CPU")
@@ -331,6 +353,21 @@ _lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CUDA")
 torch.library.register_fake(
     "vllm_afd::ffn_exchange_routed", _ffn_exchange_routed_fake, lib=_lib
 )
+_lib.define(
+    "ffn_exchange_routed_out(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
+    "Tensor(a!) out, int layer_idx, int parts=1) -> ()"
+)
+_lib.impl("ffn_exchange_routed_out", _ffn_exchange_routed_out, "CPU")
+_lib.impl("ffn_exchange_routed_out", _ffn_exchange_routed_out, "CUDA")
+torch.library.register_fake(
+    "vllm_afd::ffn_exchange_routed_out", _ffn_exchange_routed_out_fake, lib=_lib
+)
+
+#: The op vLLM's piecewise CUDA graphs split at on the ``async`` connector:
+#: it runs between two graphs, eagerly, and writes into a tensor the graph
+#: before it allocated, whose address every replay keeps (as vLLM's own
+#: attention op does).
+SPLITTING_OP = "vllm_afd::ffn_exchange_routed_out"
 
 
 def ffn_exchange(hidden: torch.Tensor, layer_idx: int, parts: int = 1) -> torch.Tensor:
@@ -349,3 +386,19 @@ def ffn_exchange_routed(
     return torch.ops.vllm_afd.ffn_exchange_routed(
         hidden, topk_weights, topk_ids, layer_idx, parts
     )
+
+
+def ffn_exchange_routed_out(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_idx: int,
+    parts: int = 1,
+) -> torch.Tensor:
+    """:func:`ffn_exchange_routed` as :data:`SPLITTING_OP`: the output is
+    allocated here, in the caller's graph, and the op fills it."""
+    out = _output_like(hidden, parts)
+    torch.ops.vllm_afd.ffn_exchange_routed_out(
+        hidden, topk_weights, topk_ids, out, layer_idx, parts
+    )
+    return out

@@ -33,7 +33,11 @@ from torch import nn
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from vllm_afd.errors import AFDConfigError
-from vllm_afd.models.exchange import ffn_exchange, ffn_exchange_routed
+from vllm_afd.models.exchange import (
+    ffn_exchange,
+    ffn_exchange_routed,
+    ffn_exchange_routed_out,
+)
 from vllm_afd.models.moe_tail import finish_moe_output
 
 
@@ -130,6 +134,8 @@ class AFDRemoteRunner(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.routes = False
         self.parts = 1
+        # the exchange is a splitting op of piecewise graphs (async connector)
+        self.splits_graphs = False
         # Not registered as submodules: the block owns the gate, and the router
         # is only used when it routes here.
         self.__dict__["router"] = router
@@ -153,7 +159,10 @@ class AFDRemoteRunner(nn.Module):
             topk_weights, topk_ids = self.router.select_experts(
                 hidden_states=hidden_states, router_logits=logits
             )
-            out = ffn_exchange_routed(
+            exchange = (
+                ffn_exchange_routed_out if self.splits_graphs else ffn_exchange_routed
+            )
+            out = exchange(
                 hidden_states, topk_weights, topk_ids, self.layer_idx, self.parts
             )
         else:

@@ -30,7 +30,7 @@ from vllm_afd.config import AFDConfig, afd_config_of
 from vllm_afd.connector.payloads import Routing
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.models.construction import Recorded, role_construction
-from vllm_afd.models.exchange import current_exchange, forward_mode
+from vllm_afd.models.exchange import SPLITTING_OP, current_exchange, forward_mode
 from vllm_afd.models.families import (
     SUPPORTED_ARCHS,
     Family,
@@ -210,7 +210,8 @@ class RoleSplitMixin(nn.Module):
         self.afd_split = derive_split(
             self, self._afd_arch, family, afd, recorded, vllm_config
         )
-        self._afd_finish_attention(family)
+        splits = vllm_config.compilation_config.splitting_ops or ()
+        self._afd_finish_attention(family, splits_graphs=SPLITTING_OP in splits)
         self._afd_drop_unrouted_gate_parameters()
         self._afd_drop_attention_leftovers()
         check_role_weights(self, afd, self.afd_split)
@@ -222,8 +223,9 @@ class RoleSplitMixin(nn.Module):
             model_log_line(afd.role.value, self.afd_split, self.parameter_bytes()),
         )
 
-    def _afd_finish_attention(self, family: Family) -> None:
-        """Attention role: tell each remote runner how it ships, and drop what
+    def _afd_finish_attention(self, family: Family, splits_graphs: bool) -> None:
+        """Attention role: tell each remote runner how it ships (and whether
+        its exchange is a splitting op of piecewise graphs), and drop what
         the MoE blocks built for the FFN role outside vLLM's factory (a gate
         of another class, a shared expert's own gate)."""
         if not self.afd.is_attention:
@@ -233,6 +235,7 @@ class RoleSplitMixin(nn.Module):
             runner = self.get_submodule(name)
             runner.routes = gate_here
             runner.parts = self.afd_split.moe_output_parts
+            runner.splits_graphs = splits_graphs
             if family.layer_holds_moe:
                 continue  # its holder is the decoder layer: all attention's
             block = self.get_submodule(_parent(name))
