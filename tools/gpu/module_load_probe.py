@@ -10,11 +10,15 @@ process answers, that is a deadlock which only the connector's
 ``timeout_s`` ends. Operations (each first met in B at that moment):
 
   noop         nothing (the control)
+  sync         ``torch.cuda.synchronize()`` (B's own work is done by then)
   lazy_torch   a PyTorch kernel B never launched (CUDA lazy module loading)
   triton_new   a Triton kernel compiled and loaded for the first time
   empty_cache  freeing cached memory (cudaFree)
   malloc       a new 1 GiB allocation (cudaMalloc)
-  graph        capturing and replaying a CUDA graph
+  graph        capturing and replaying a CUDA graph (``torch.cuda.graph``,
+               which synchronises and empties the cache on entry)
+  graph_plain  the same capture without those two calls, as the FFN
+               role captures (``worker.ffn_graphs``)
   cublas_new   the first matmul of another dtype
 
 Both processes must run their kernels at once: on one GPU start the MPS
@@ -36,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-OPS = ("noop", "lazy_torch", "triton_new", "empty_cache", "malloc", "graph",
-       "cublas_new")  # fmt: skip
+OPS = ("noop", "sync", "lazy_torch", "triton_new", "empty_cache", "malloc", "graph",
+       "graph_plain", "cublas_new")  # fmt: skip
 _LAZY = ("i0e", "erfcx", "bessel_j1", "ndtri", "log_ndtr", "i1e", "bessel_y0")
 
 
@@ -82,11 +86,21 @@ def _run(op: str, trial: int) -> None:
         with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
             x.mul_(3)
         graph.replay()
+    elif op == "graph_plain":
+        x, graph = torch.ones(64, device="cuda"), torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            x.mul_(3)
+            graph.capture_end()
+        graph.replay()
     elif op == "cublas_new":
         dtype = (torch.float32, torch.float16, torch.float64)[trial % 3]
         a = torch.rand(256, 256, device="cuda", dtype=dtype)
         a @ a
-    torch.cuda.synchronize()
+    elif op == "sync":
+        torch.cuda.synchronize()
 
 
 def _peer(todo: Any, done: Any, pause_s: float) -> None:
@@ -102,7 +116,7 @@ def _peer(todo: Any, done: Any, pause_s: float) -> None:
             _run(*item)
         except Exception as exc:  # reported, the flag still set
             error = f"{type(exc).__name__}: {exc}"[:200]
-        took = time.perf_counter() - start
+        took = time.perf_counter() - start  # the host's time in the operation
         flag.fill_(1)
         torch.cuda.synchronize()
         done.put((took, error))
