@@ -328,39 +328,39 @@ def _ffn_exchange_routed_out(
     out.copy_(_ffn_exchange_routed(hidden, topk_weights, topk_ids, layer_idx, parts))
 
 
-def _ffn_exchange_routed_out_fake(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    out: torch.Tensor,
-    layer_idx: int,
-    parts: int = 1,
-) -> None:
+def _fills_out(*args: Any, **kwargs: Any) -> None:
+    """The fake of an op that writes into its ``out`` argument only."""
     return None
 
 
 _lib = torch.library.Library("vllm_afd", "FRAGMENT")
-_lib.define("ffn_exchange(Tensor hidden, int layer_idx, int parts=1) -> Tensor")
-_lib.impl("ffn_exchange", _ffn_exchange, "CPU")
-_lib.impl("ffn_exchange", _ffn_exchange, "CUDA")
-torch.library.register_fake("vllm_afd::ffn_exchange", _ffn_exchange_fake, lib=_lib)
-_lib.define(
+
+
+def _register(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    """Define ``vllm_afd::<schema>`` with ``impl`` on CPU and CUDA."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    for device in ("CPU", "CUDA"):
+        _lib.impl(name, impl, device)
+    torch.library.register_fake(f"vllm_afd::{name}", fake, lib=_lib)
+
+
+_register(
+    "ffn_exchange(Tensor hidden, int layer_idx, int parts=1) -> Tensor",
+    _ffn_exchange,
+    _ffn_exchange_fake,
+)
+_register(
     "ffn_exchange_routed(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
-    "int layer_idx, int parts=1) -> Tensor"
+    "int layer_idx, int parts=1) -> Tensor",
+    _ffn_exchange_routed,
+    _ffn_exchange_routed_fake,
 )
-_lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CPU")
-_lib.impl("ffn_exchange_routed", _ffn_exchange_routed, "CUDA")
-torch.library.register_fake(
-    "vllm_afd::ffn_exchange_routed", _ffn_exchange_routed_fake, lib=_lib
-)
-_lib.define(
+_register(
     "ffn_exchange_routed_out(Tensor hidden, Tensor topk_weights, Tensor topk_ids, "
-    "Tensor(a!) out, int layer_idx, int parts=1) -> ()"
-)
-_lib.impl("ffn_exchange_routed_out", _ffn_exchange_routed_out, "CPU")
-_lib.impl("ffn_exchange_routed_out", _ffn_exchange_routed_out, "CUDA")
-torch.library.register_fake(
-    "vllm_afd::ffn_exchange_routed_out", _ffn_exchange_routed_out_fake, lib=_lib
+    "Tensor(a!) out, int layer_idx, int parts=1) -> ()",
+    _ffn_exchange_routed_out,
+    _fills_out,
 )
 
 #: The op vLLM's piecewise CUDA graphs split at on the ``async`` connector:
