@@ -21,6 +21,11 @@ process answers, that is a deadlock which only the connector's
                role captures (``worker.ffn_graphs``)
   cublas_new   the first matmul of another dtype
 
+With ``--own`` process B also spins on a flag of its own, on a side
+stream, during the operation, and sets it only afterwards: an operation
+that takes ``--spin-s`` then waited for a kernel of its own process (what
+NVIDIA's lazy-loading guide warns a module load may do).
+
 Both processes must run their kernels at once: on one GPU start the MPS
 daemon first (``nvidia-cuda-mps-control -d``). Compare with
 ``CUDA_MODULE_LOADING=EAGER`` in the environment.
@@ -103,23 +108,36 @@ def _run(op: str, trial: int) -> None:
         torch.cuda.synchronize()
 
 
-def _peer(todo: Any, done: Any, pause_s: float) -> None:
-    """Process B: for each (op, trial), run it and then set the flag."""
+def _peer(todo: Any, done: Any, pause_s: float, own_ns: int) -> None:
+    """Process B: for each (op, trial), run it and then set the flag; with
+    ``own_ns``, while a kernel of B's own spins on a side stream."""
     flag = todo.get()
     flag.fill_(0)
+    own_flag = torch.ones(1, dtype=torch.int64, device="cuda")
+    own_out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    if own_ns:
+        _spin[(1,)](own_flag, own_out, own_ns)  # compiled before any trial
     torch.cuda.synchronize()
     done.put("ready")
     while (item := todo.get()) is not None:
-        time.sleep(pause_s)  # A's kernel is spinning by now
+        if own_ns:
+            own_flag.zero_()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                _spin[(1,)](own_flag, own_out, own_ns)
+        time.sleep(pause_s)  # the spinning kernels run by now
         start, error = time.perf_counter(), ""
         try:
             _run(*item)
-        except Exception as exc:  # reported, the flag still set
+        except Exception as exc:  # reported, the flags still set
             error = f"{type(exc).__name__}: {exc}"[:200]
         took = time.perf_counter() - start  # the host's time in the operation
+        own_flag.fill_(1)
         flag.fill_(1)
         torch.cuda.synchronize()
-        done.put((took, error))
+        own = own_out[0].item() / 1e9 if own_ns else 0.0
+        done.put((took, error, own))
 
 
 def main() -> None:
@@ -131,6 +149,11 @@ def main() -> None:
     p.add_argument(
         "--spin-s", type=float, default=5.0, help="A's spin limit (device clock)"
     )
+    p.add_argument(
+        "--own", action="store_true",
+        help="B also spins on a flag of its own (a side stream) during the "
+        "operation: does the operation wait for its own process's kernel?",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write the rows here too")
     args = p.parse_args()
     ops = args.ops.split(",")
@@ -138,32 +161,38 @@ def main() -> None:
         p.error(f"--ops: unknown {', '.join(unknown)}; valid: {', '.join(OPS)}")
     ctx = mp.get_context("spawn")
     todo, done = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_peer, args=(todo, done, 0.3), daemon=True)
+    timeout_ns = int(args.spin_s * 1e9)
+    own_ns = timeout_ns if args.own else 0
+    peer = ctx.Process(target=_peer, args=(todo, done, 0.3, own_ns), daemon=True)
     peer.start()
     flag = torch.ones(1, dtype=torch.int64, device="cuda")
     out = torch.zeros(2, dtype=torch.int64, device="cuda")
-    timeout_ns = int(args.spin_s * 1e9)
     _spin[(1,)](flag, out, timeout_ns)  # compiled and loaded before any trial
     torch.cuda.synchronize()
     todo.put(flag)
     if done.get(timeout=120) != "ready":
         raise SystemExit("the peer process did not start")
     rows = []
-    print(f"{'operation in B':<14} {'B s':>7} {'A spun s':>9}  A's spin")
+    head = ("operation in B", "B s", "A spun s", "B spun s")
+    print(f"{head[0]:<14} {head[1]:>7} {head[2]:>9} {head[3]:>9}  A's spin")
     for trial in range(args.repeats):
         for op in ops:
             flag.zero_()
             torch.cuda.synchronize()
             _spin[(1,)](flag, out, timeout_ns)
             todo.put((op, trial))
-            took, error = done.get(timeout=args.spin_s + 120)
+            took, error, own = done.get(timeout=args.spin_s + 120)
             torch.cuda.synchronize()
             spun, seen = out[0].item() / 1e9, out[1].item()
             row = dict(op=op, trial=trial, b_s=round(took, 3), error=error,
-                       a_spun_s=round(spun, 3), a_ran_out=seen == 0)  # fmt: skip
+                       a_spun_s=round(spun, 3), a_ran_out=seen == 0,
+                       b_spun_s=round(own, 3))  # fmt: skip
             rows.append(row)
             verdict = "RAN OUT: B waited for it" if seen == 0 else "ended by B"
-            print(f"{op:<14} {took:7.3f} {spun:9.3f}  {verdict} {error}", flush=True)
+            if args.own and took >= 0.9 * args.spin_s:
+                verdict += "; B waited for its own kernel"
+            print(f"{op:<14} {took:7.3f} {spun:9.3f} {own:9.3f}  {verdict} {error}",
+                  flush=True)  # fmt: skip
     todo.put(None)
     peer.join(30)
     if args.json:

@@ -28,36 +28,19 @@ class CudaStepGraphs:
         self.device = device
         self._graphs: dict[tuple[tuple[int, ...], ...], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
 
     def capture(self, plan: Any, serve: Callable[[], None]) -> None:
-        """Record ``serve`` as the graph of ``plan``'s layout.
-
-        Not through ``torch.cuda.graph``, whose entry synchronises the device
-        and empties the allocator's cache (``cudaFree``): both wait for work
-        on the device, and when the FFN captures, attention ranks that have
-        finished their own capture may already be spinning on the device for
-        the FFN's reply to their next step. On one GPU under MPS a wait that
-        covered their kernels would hold both sides until ``timeout_s``
-        (docs/planning.md). The capture here is what that context manager
-        does without those two calls: on a side stream ordered after the
-        current one, into the graphs' shared pool.
-        """
         # The attention role captures again after its memory profiling drops
         # its first graphs; the FFN's graph of the layout is replaced too.
         layout = plan.peer_tokens
         self._graphs.pop(layout, None)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.device(self.device):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                graph.capture_begin(*(() if self._pool is None else (self._pool,)))
-                try:
-                    serve()
-                finally:
-                    graph.capture_end()
+        with (
+            torch.inference_mode(),
+            torch.cuda.device(self.device),
+            torch.cuda.graph(graph, pool=self._pool),
+        ):
+            serve()
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[layout] = graph
