@@ -62,6 +62,7 @@ LAYOUTS = {
     "deepseek_v2": ([1, 2], [0]),  # MLA, softmax greedy top-k, shared experts
     "deepseek_v3": ([1, 2], [0]),  # MLA, grouped sigmoid top-k + bias
     "glm4_moe_lite": ([1, 2], [0]),  # GLM-4.7-Flash: MLA + GLM-4.5's MoE block
+    "axk1": ([1, 2], [0]),  # A.X K1: DeepSeek-V3's layout in its own module
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
@@ -85,12 +86,13 @@ EXPERTS = {
     "deepseek_v2": 8, "deepseek_v3": 16, "glm4_moe_lite": 16, "olmoe": 8,
     "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8, "llama4": 8,
     "granitemoeshared": 8, "qwen3_next": 8, "exaone_moe": 8, "cohere2_moe": 8,
-    "gemma4": 8, "mimo_v2": 8, "hy_v3": 8,
+    "gemma4": 8, "mimo_v2": 8, "hy_v3": 8, "axk1": 16,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
+    "axk1",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -118,6 +120,7 @@ CASES = [
     # gpt-oss (expert biases, clamped SwiGLU, attention sinks, sliding
     # windows) at 2A1F
     ("glm4_moe_lite", 1, 1, True, "p2p"),
+    ("axk1", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),

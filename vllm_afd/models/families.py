@@ -154,6 +154,14 @@ FAMILIES: tuple[Family, ...] = (
         moe_modules=(("glm4_moe", "Glm4MoeMLP"),),
     ),
     Family(
+        # A.X K1: DeepSeek-V3's layout in a module of its own
+        name="axk1",
+        module="AXK1",
+        archs=("AXK1ForCausalLM",),
+        dense_mlp="AXK1MLP",
+        attention=("AXK1Attention", "AXK1MLAAttention"),
+    ),
+    Family(
         name="olmoe",
         module="olmoe",
         archs=("OlmoeForCausalLM",),

@@ -135,6 +135,27 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             num_nextn_predict_layers=0,
         ),
     ),
+    # A.X K1: DeepSeek-V3's layout (MLA, first dense layer, shared experts,
+    # grouped sigmoid top-k with a bias, routed scaling) in its own module.
+    "axk1": (
+        "AXK1Config",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            # vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
+            kv_lora_rank=512,
+            q_lora_rank=96,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            num_key_value_heads=4,
+        ),
+    ),
     # gpt-oss: router outside the block with a bias, expert biases, clamped
     # SwiGLU, attention sinks, sliding and full attention alternating.
     "gpt_oss": (
@@ -434,7 +455,7 @@ def hf_config(
     if arch in _EXPERT_WIDE:
         kwargs.pop("moe_intermediate_size")
         kwargs["intermediate_size"] = hidden_size // 2
-    if arch in ("glm4_moe", "glm4_moe_lite"):
+    if arch in ("glm4_moe", "glm4_moe_lite", "axk1"):
         kwargs["first_k_dense_replace"] = 1
     if arch == "glm4_moe_lite":
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
@@ -512,6 +533,25 @@ def write_hf_weights(
         for name, tensor in model.state_dict().items():
             tensor.copy_(draw(seed, name, tuple(tensor.shape), _kind(name)))
     model.to(dtype).save_pretrained(out, safe_serialization=True)
+    if config.model_type == "axk1":
+        _axk1_dense_layer_norms(config, out, draw, seed, dtype)
+
+
+def _axk1_dense_layer_norms(
+    config: Any, out: Path, draw: Any, seed: int, dtype: torch.dtype
+) -> None:
+    """vLLM's A.X K1 module builds and loads ``post_mlp_layernorm`` on every
+    decoder layer (it applies it after MoE layers only); transformers' model
+    has it on MoE layers only, so the dense layers' ones are added."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    for i in range(config.first_k_dense_replace):
+        name = f"model.layers.{i}.post_mlp_layernorm.weight"
+        shape = (config.hidden_size,)
+        tensors[name] = draw(seed, name, shape, "norm").to(dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _kind(name: str) -> str:
