@@ -19,6 +19,17 @@ import torch
 
 from vllm_afd.models.families import FAMILIES
 
+#: MLA dims of the tiny DeepSeek-style models: vLLM's CPU MLA takes
+#: kv_lora_rank + qk_rope_head_dim = 576 only
+_CPU_MLA: dict[str, Any] = dict(
+    kv_lora_rank=512,
+    q_lora_rank=96,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    num_key_value_heads=4,
+)
+
 #: family -> (transformers config class, its MoE keyword arguments)
 _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Dense layers where mlp_only_layers says; no shared experts.
@@ -125,13 +136,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             topk_group=1,
             routed_scaling_factor=1.8,
             norm_topk_prob=True,
-            # vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
-            kv_lora_rank=512,
-            q_lora_rank=96,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
-            num_key_value_heads=4,
+            **_CPU_MLA,
             num_nextn_predict_layers=0,
         ),
     ),
@@ -147,13 +152,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             topk_group=2,
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
-            # vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
-            kv_lora_rank=512,
-            q_lora_rank=96,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
-            num_key_value_heads=4,
+            **_CPU_MLA,
         ),
     ),
     # gpt-oss: router outside the block with a bias, expert biases, clamped
