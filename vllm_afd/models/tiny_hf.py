@@ -30,6 +30,19 @@ _CPU_MLA: dict[str, Any] = dict(
     num_key_value_heads=4,
 )
 
+#: DeepSeek-V3's routing in the tiny GLM-4.5 and A.X K1 models: shared
+#: experts, grouped sigmoid top-k (with the family's correction bias), routed
+#: scaling
+_GROUPED_SIGMOID: dict[str, Any] = dict(
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+
 #: family -> (transformers config class, its MoE keyword arguments)
 _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Dense layers where mlp_only_layers says; no shared experts.
@@ -66,13 +79,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_moe": (
         "Glm4MoeConfig",
         dict(
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_shared_experts=1,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
+            **_GROUPED_SIGMOID,
             use_qk_norm=True,
             head_dim=32,
             num_mtp_layers=0,
@@ -145,13 +152,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "axk1": (
         "AXK1Config",
         dict(
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_shared_experts=1,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
+            **_GROUPED_SIGMOID,
             **_CPU_MLA,
         ),
     ),
