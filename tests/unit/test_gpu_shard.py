@@ -47,3 +47,21 @@ def test_tests_this_host_skips_weigh_nothing_and_the_gpu_default_is_two():
     parts = shard.split(ids, 2, {"a": 100.0, "b": 100.0, "c": 0.1, "d": 0.1})
     assert sorted(len(p) for p in parts) == [2, 2]
     assert all(("a" in p) != ("b" in p) for p in parts)
+
+
+def test_a_shard_holds_only_tests_the_gpu_marker_selects():
+    """The shards split what ``pytest -m gpu`` runs, not every collected test
+    (a deselected one would weigh on the balance and run nowhere)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, str(_PATH), "1/1"],
+        capture_output=True, text=True, timeout=240, cwd=_PATH.parents[2],
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    ids = run.stdout.split()
+    silent = "test_cuda_ipc_wait_for_a_silent_peer_ends_after_timeout_s"
+    assert f"tests/connector/test_cuda_ipc.py::{silent}" in ids
+    # the loopback contract tests carry no gpu marker
+    assert not [n for n in ids if n.endswith("-loopback]")], ids

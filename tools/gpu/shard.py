@@ -85,8 +85,9 @@ def collect(select: list[str]) -> dict[str, float]:
     found: dict[str, float] = {}
 
     class Recorder:
-        def pytest_collection_modifyitems(self, items: list) -> None:
-            for item in items:
+        # after collection is finished: ``-m gpu`` and ``-k`` have deselected
+        def pytest_collection_finish(self, session: pytest.Session) -> None:
+            for item in session.items:
                 marker = item.get_closest_marker("gpus")
                 n = gpus_needed(item.nodeid, marker.args[0] if marker else None)
                 found[item.nodeid] = estimate(item.nodeid) if n <= have else SKIPPED_S
