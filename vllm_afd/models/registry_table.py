@@ -57,6 +57,22 @@ TRIED: dict[str, str] = {
         "(`DbrxAttentionConfig` has no `rope_theta`), so no tiny checkpoint "
         "could be written; no record yet"
     ),
+    "DeepseekV4ForCausalLM": (
+        "plain vLLM cannot serve it on a CPU without AVX-512 BF16: its CPU "
+        "module (`deepseek_v4/cpu`) calls kernels built only into that build "
+        "of vLLM's `_C` (`convert_weight_packed`, `flash_mla_with_kvcache_cpu`, "
+        "`hash_topk_cpu`, `hc_head`, ...), so loading a tiny checkpoint stops "
+        "with `'_OpNamespace' '_C' object has no attribute "
+        "'convert_weight_packed'`; and the split cannot serve its hash-routed "
+        "MoE layers yet: they route by the input token ids (`tid2eid`), which "
+        "the FFN role does not receive and the attention role's router call "
+        "does not pass; not tried on a GPU"
+    ),
+    "DeepseekV4ForConditionalGeneration": (
+        "vLLM's CPU build has only a stub of it (`deepseek_v4/vl_stub` raises "
+        "`NotImplementedError`: CUDA or ROCm only); its text model is "
+        "`DeepseekV4ForCausalLM`'s (above); not tried on a GPU"
+    ),
     "LagunaForCausalLM": (
         "no record yet: its router's score bias is a parameter of vLLM's "
         "experts module (`mlp.experts.e_score_correction_bias`), which the "
