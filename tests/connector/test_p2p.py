@@ -846,6 +846,48 @@ def test_a_peer_lagging_behind_a_dummy_step_is_waited_timeout_s_once_served(
             ep.conn.close()
 
 
+def test_an_ffn_rank_names_the_attention_rank_whose_plan_lags(monkeypatch, caplog):
+    """2A1F: attention rank 0's plan arrives, rank 1's a second later. Past
+    ``PLAN_LAG_WARN_S`` the FFN rank logs, once, who sent the step's plan and
+    whose it still waits for (the sender already waits for this rank's
+    reply), then serves the step when the plan comes."""
+    import logging
+
+    from vllm_afd.connector import p2p_control
+    from vllm_afd.connector.protocol import ExecMode, StepPlan
+
+    monkeypatch.setattr(p2p_control, "PLAN_LAG_WARN_S", 0.3)
+    sc = S.Scenario("p2p", S.free_port(), 2, 1, connect_timeout_s=20.0)
+    limits = {"timeout_s": 30.0}
+    ffn = _Endpoint(sc, "ffn", 0, **limits)
+    att = [_Endpoint(sc, "attention", r, **limits) for r in (0, 1)]
+    for ep in (ffn, *att):
+        assert ep.started.wait(30), [e.error for e in (ffn, *att)]
+    try:
+        att[0].conn.send_plan(StepPlan(7, ExecMode.EAGER, (3,)))
+        late = threading.Timer(
+            1.0, att[1].conn.send_plan, (StepPlan(7, ExecMode.EAGER, (2,)),)
+        )
+        late.start()
+        with caplog.at_level(logging.WARNING, logger=p2p_control.__name__):
+            assert ffn.conn.recv_plan().step_id == 7
+        late.join()
+        lags = [
+            r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()
+        ]
+        assert len(lags) == 1, lags
+        assert lags[0].startswith(
+            "AFD ffn rank 0: attention rank 0 sent the plan of step 7 (EAGER) "
+        ), lags[0]
+        assert (
+            "still waiting for the plan from attention rank 1 "
+            "(a lagging rank is waited 30s)" in lags[0]
+        )
+    finally:
+        for ep in (ffn, *att):
+            ep.conn.close()
+
+
 def test_an_ffn_rank_closed_after_a_failed_step_ends_every_wait_on_it_at_once():
     """2A1F in a start-up step (waits of ``warmup_timeout_s``, 60 s): attention
     rank 0 sent its A2F and waits for the F2A; attention rank 1 leaves to

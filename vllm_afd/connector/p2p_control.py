@@ -46,6 +46,10 @@ SESSION = -1
 #: ``timeout_s`` (also in a session re-formed in this process).
 _served_in_process = False
 
+#: seconds after the first plan of a step arrived from some attention ranks
+#: that an FFN rank logs which ranks' plans it still waits for (once a step)
+PLAN_LAG_WARN_S = 10.0
+
 
 def _note_served(plans: list[StepPlan]) -> None:
     global _served_in_process
@@ -239,6 +243,7 @@ class P2PControlPlane(ControlPlane):
         chans = self._channels
         plans: list[StepPlan | None] = [None] * len(chans)
         first_at: float | None = None
+        lag_logged = False
         while True:
             for i, ch in enumerate(chans):
                 if plans[i] is not None:
@@ -280,6 +285,13 @@ class P2PControlPlane(ControlPlane):
                         f"timed out after {limit}s waiting for the plan "
                         f"of step {first.step_id} from {', '.join(missing)}"
                     )
+            if first_at is not None and not lag_logged:
+                warn_in = first_at + PLAN_LAG_WARN_S - time.monotonic()
+                if warn_in <= 0:
+                    lag_logged = True
+                    self._log_plan_lag(plans, time.monotonic() - first_at, limit)
+                else:
+                    timeout = warn_in if timeout is None else min(timeout, warn_in)
             waiting = [c for i, c in enumerate(chans) if not (plans[i] or c.inbox)]
             if self._closed:
                 return None
@@ -308,6 +320,21 @@ class P2PControlPlane(ControlPlane):
             for r in ready:
                 if isinstance(r, Channel):  # every one: a ready wake-up pipe returned
                     r.fill()
+
+    def _log_plan_lag(
+        self, plans: list[StepPlan | None], lag_s: float, limit_s: float
+    ) -> None:
+        """Say which attention ranks a step waits for: the others sent its plan
+        and (on a device data plane) already wait for this rank's reply."""
+        sent = [(self._channels[i].peer, p) for i, p in enumerate(plans) if p]
+        missing = [self._channels[i].peer for i, p in enumerate(plans) if p is None]
+        first = sent[0][1]
+        logger.warning(
+            "AFD ffn rank %d: %s sent the plan of step %d (%s) %.0fs ago; still "
+            "waiting for the plan from %s (a lagging rank is waited %.0fs)",
+            self._rank, ", ".join(peer for peer, _ in sent), first.step_id,
+            first.mode.name, lag_s, ", ".join(missing), limit_s,
+        )  # fmt: skip
 
     def rejoin_after_failure(self) -> str | None:
         """A step failed mid-way: the session re-forms unless a served
