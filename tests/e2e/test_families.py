@@ -63,6 +63,11 @@ LAYOUTS = {
     "deepseek_v3": ([1, 2], [0]),  # MLA, grouped sigmoid top-k + bias
     "glm4_moe_lite": ([1, 2], [0]),  # GLM-4.7-Flash: MLA + GLM-4.5's MoE block
     "axk1": ([1, 2], [0]),  # A.X K1: DeepSeek-V3's layout in its own module
+    # DeepSeek-V3's classes, the release's weight names, softmax grouped top-k
+    "mistral_large_3": ([1, 2], [0]),
+    "bailing_moe": ([0, 1, 2], []),  # Ling: softmax top-k, lm_head normalised
+    "bailing_moe_v2": ([1, 2], [0]),  # Ling 2.0: sigmoid grouped top-k + bias
+    "deepseek_moe": ([1, 2], [0]),  # DeepSeek-MoE: multi-head attention
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
@@ -87,17 +92,22 @@ EXPERTS = {
     "granitemoe": 8, "ernie4_5_moe": 8, "gpt_oss": 8, "llama4": 8,
     "granitemoeshared": 8, "qwen3_next": 8, "exaone_moe": 8, "cohere2_moe": 8,
     "gemma4": 8, "mimo_v2": 8, "hy_v3": 8, "axk1": 16,
+    "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
+    "deepseek_moe": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
-    "axk1",
+    "axk1", "mistral_large_3", "bailing_moe", "bailing_moe_v2", "deepseek_moe",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
 #: BF16" (plain vLLM too)
 DTYPES = {"qwen3_next": "bfloat16"}
+#: families whose releases ship their config class as code of their own
+#: (``auto_map``): every server loads them with ``--trust-remote-code``
+REMOTE_CODE = ("bailing_moe", "bailing_moe_v2", "deepseek_moe")
 #: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
 BF16_ATOL = 1e-2
 
@@ -121,6 +131,10 @@ CASES = [
     # windows) at 2A1F
     ("glm4_moe_lite", 1, 1, True, "p2p"),
     ("axk1", 1, 1, True, "p2p"),
+    ("mistral_large_3", 1, 1, True, "p2p"),
+    ("bailing_moe_v2", 1, 1, True, "p2p"),
+    ("bailing_moe", 1, 1, True, "p2p"),
+    ("deepseek_moe", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),
@@ -293,9 +307,10 @@ def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector:
     connector, *flags = connector.split("+")
     staged = {"ubatches": 2, "attention_args": STAGE_ARGS} if "stages" in flags else {}
     options = {"payload": "shared"} if "shared" in flags else {}
+    remote = ["--trust-remote-code"] if Path(model).name in REMOTE_CODE else []
     return make_spec(
         model,
-        ["--dtype", dtype, "--enforce-eager"],
+        ["--dtype", dtype, "--enforce-eager", *remote],
         attention_ranks=ranks,
         ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,

@@ -155,3 +155,25 @@ def test_every_error_message_is_documented() -> None:
     assert len(messages) > 50  # the extraction works
     missing = [f"{where}: {piece!r}" for where, piece in messages if piece not in text]
     assert not missing, "errors missing from the docs:\n" + "\n".join(missing)
+
+
+def _arch_row(page: str, start: str) -> set[str]:
+    """The backticked names in the table row of ``page`` that starts with
+    ``start`` (its default and notes included)."""
+    text = (ROOT / "docs" / page).read_text()
+    row = next(line for line in text.splitlines() if line.startswith(start))
+    return set(re.findall(r"`([a-z0-9_]+)`", row))
+
+
+def test_every_tiny_family_and_demo_family_is_documented() -> None:
+    """The ``--arch`` rows of tiny-model.md and of cli.md's ``demo`` list
+    exactly what the code offers (families added later must show up there)."""
+    from vllm_afd.cli.demo import demo_archs
+    from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
+
+    listed = _arch_row("tiny-model.md", "| `arch` | `--arch` |")
+    assert set(TINY_ARCHS) <= listed, set(TINY_ARCHS) - listed
+    listed = _arch_row("cli.md", "| `--arch` | `deepseek_v2` | model family")
+    assert set(demo_archs()) <= listed, set(demo_archs()) - listed
+    offered_elsewhere = listed & (set(TINY_ARCHS) - set(demo_archs()))
+    assert not offered_elsewhere, f"demo does not serve {offered_elsewhere}"

@@ -46,18 +46,29 @@ DEMO_VLLM_ARGS = [
 
 def demo_vllm_args(arch: str) -> list[str]:
     """:data:`DEMO_VLLM_ARGS`, in the dtype plain vLLM serves ``arch`` in on
-    CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next)."""
+    CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next), with
+    ``--trust-remote-code`` for a family whose config class is code in the
+    checkpoint (``tiny_remote.REMOTE_FAMILIES``: Ling, Ling 2.0, DeepSeek-MoE)."""
     from vllm_afd.models.tiny_hf import CPU_DTYPES
+    from vllm_afd.models.tiny_remote import REMOTE_FAMILIES
 
     args = list(DEMO_VLLM_ARGS)
     args[args.index("--dtype") + 1] = CPU_DTYPES.get(arch, "float32")
+    if arch in REMOTE_FAMILIES:
+        args.append("--trust-remote-code")
     return args
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def demo_archs() -> list[str]:
+    """The ``--arch`` values ``demo`` serves: the tiny families plain vLLM
+    serves on CPU that a family record covers."""
     from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
-    from vllm_afd.models.tiny_hf import GPU_ONLY_ARCHS
+    from vllm_afd.models.tiny_hf import GPU_ONLY_ARCHS, UNSERVED_ARCHS
 
+    return [a for a in TINY_ARCHS if a not in GPU_ONLY_ARCHS + UNSERVED_ARCHS]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="serve a tiny model with AFD and compare")
     p.add_argument(
         "--model-dir",
@@ -67,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--arch",
-        choices=[a for a in TINY_ARCHS if a not in GPU_ONLY_ARCHS],
+        choices=demo_archs(),
         default="deepseek_v2",
         help="model family of the tiny model (default deepseek_v2)",
     )

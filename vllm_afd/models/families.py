@@ -108,7 +108,9 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="deepseek",
         module="deepseek_v2",
-        archs=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        # DeepSeek-MoE (``DeepseekForCausalLM``): the same classes with
+        # multi-head attention (``DeepseekAttention``)
+        archs=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekForCausalLM"),
         dense_mlp="DeepseekV2MLP",
         attention=(
             "DeepseekV2MLAAttention",
@@ -160,6 +162,26 @@ FAMILIES: tuple[Family, ...] = (
         archs=("AXK1ForCausalLM",),
         dense_mlp="AXK1MLP",
         attention=("AXK1Attention", "AXK1MLAAttention"),
+    ),
+    Family(
+        # Mistral Large 3: vLLM builds it with a subclass of DeepSeek-V3's
+        # class (MLA, softmax grouped top-k, shared experts) that maps the
+        # release's own weight names, so its classes are DeepSeek's
+        name="mistral_large_3",
+        module="deepseek_v2",
+        archs=("MistralLarge3ForCausalLM",),
+        dense_mlp="DeepseekV2MLP",
+        attention=("DeepseekV2MLAAttention", "DeepseekV2Attention"),
+    ),
+    Family(
+        # Ling and Ling 2.0: the router before the runner (Ling 2.0: sigmoid
+        # scores with a bias held by the gate, grouped top-k), shared experts
+        # and dense layers of one MLP class
+        name="bailing_moe",
+        module="bailing_moe",
+        archs=("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM"),
+        dense_mlp="BailingMLP",
+        attention=("BailingAttention",),
     ),
     Family(
         name="olmoe",

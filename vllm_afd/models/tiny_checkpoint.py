@@ -145,8 +145,8 @@ def write_tiny_checkpoint(
         mxfp4_experts: Store the routed experts in MXFP4 as gpt-oss's release
             does (``gpt_oss`` only; :mod:`vllm_afd.models.tiny_mxfp4`).
         num_experts: Routed experts per MoE layer instead of the family's
-            default, a multiple of it (the families made by transformers'
-            config classes: ``HF_ARCHS``). vLLM pads a
+            default, a multiple of it (the families written from a config
+            class, transformers' or the checkpoint's own: ``HF_ARCHS``). vLLM pads a
             quantized linear layer's output to 16 columns, so a router over
             16 experts is what online FP8 needs.
 
@@ -165,8 +165,8 @@ def write_tiny_checkpoint(
     if num_experts is not None:
         if arch not in HF_ARCHS:
             raise ValueError(
-                f"num_experts is for the families made by transformers' config "
-                f"classes ({', '.join(HF_ARCHS)}), not {arch!r}"
+                f"num_experts is for the families written from a config class "
+                f"({', '.join(HF_ARCHS)}), not {arch!r}"
             )
         check_num_experts(arch, num_experts)
     out = Path(out_dir)

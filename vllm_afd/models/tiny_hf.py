@@ -5,7 +5,9 @@ weights from the transformers model class (``save_pretrained``), so the layout i
 the one transformers writes for that family and vLLM loads. The values are drawn
 again, per tensor name, by :func:`vllm_afd.models.tiny_checkpoint.draw` with the
 same scales as the DeepSeek writer, so greedy decoding depends on the context and
-the routers spread tokens over the experts.
+the routers spread tokens over the experts. Families whose releases ship their
+config class as code of their own (Ling, Ling 2.0, DeepSeek-MoE) are written by
+:mod:`vllm_afd.models.tiny_remote` through the same two calls.
 
 Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 """
@@ -18,6 +20,12 @@ from typing import Any
 import torch
 
 from vllm_afd.models.families import FAMILIES
+from vllm_afd.models.tiny_remote import (
+    REMOTE_FAMILIES,
+    RemoteCodeConfig,
+    remote_config,
+    write_remote,
+)
 
 #: MLA dims of the tiny DeepSeek-style models: vLLM's CPU MLA takes
 #: kv_lora_rank + qk_rope_head_dim = 576 only
@@ -346,6 +354,10 @@ _EXPERT_WIDE = (
     "cohere2_moe", "granitemoehybrid",
 )  # fmt: skip
 
+# families whose releases ship their config class as code of their own: the
+# config and weights are written by :mod:`vllm_afd.models.tiny_remote`
+_FAMILIES.update({f: (c, moe) for f, (_, _, c, moe) in REMOTE_FAMILIES.items()})
+
 HF_ARCHS = tuple(_FAMILIES)
 
 #: the config keys families name their routed-expert count by
@@ -380,6 +392,8 @@ def check_num_experts(arch: str, num_experts: int) -> None:
 
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2", "qwen3_5_moe", "step3p5", "granitemoehybrid")
+#: tiny families no record covers (docs/models.md says why): AFD refuses them
+UNSERVED_ARCHS = ("lfm2_moe",)
 #: families AFD serves with the gate on the attention role only: a record's
 #: ``layer_holds_moe`` (no MoE block class the FFN role could run), and those
 #: whose layers run a dense MLP beside the MoE block (refused by the split)
@@ -414,6 +428,17 @@ def hf_config(
     class_name, moe = _FAMILIES[arch]
     if num_experts is not None:
         moe = {**moe, _experts_key(arch): num_experts}
+    if arch in REMOTE_FAMILIES:
+        return remote_config(
+            arch,
+            moe,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            dtype=dtype,
+            special_ids=special_ids,
+            max_positions=max_positions,
+        )
     config_cls = getattr(transformers, class_name)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -524,7 +549,11 @@ def write_hf_weights(
     dtype: torch.dtype,
 ) -> None:
     """Build the transformers model of ``config``, draw every tensor again by
-    name and save it as transformers saves that family."""
+    name and save it as transformers saves that family (a family with a
+    config class of its own: as its release names them, with that class)."""
+    if isinstance(config, RemoteCodeConfig):
+        write_remote(config, out, draw, seed, dtype)
+        return
     import transformers
 
     torch.manual_seed(seed)

@@ -1,6 +1,7 @@
 """Tiny random-weight checkpoints written tensor by tensor, in the names
 vLLM loads: families transformers has no classes for (Step-3.5), or whose
-transformers layout vLLM's module does not load (HY-V3).
+transformers layout vLLM's module does not load (HY-V3); Mistral Large 3, in
+its release's names, is written by :mod:`vllm_afd.models.tiny_mistral`.
 
 **Step-3.5.** The config class is vLLM's own (``model_type: step3p5``) and
 the weights follow the names vLLM's ``Step3p5ForCausalLM`` loads, in the
@@ -37,6 +38,11 @@ Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 from __future__ import annotations
 
 from typing import Any
+
+from vllm_afd.models.tiny_mistral import (
+    mistral_large_3_config,
+    mistral_large_3_weight_specs,
+)
 
 #: heads of the full-attention layers and of the sliding ones
 _HEADS, _SLIDING_HEADS, _KV_HEADS, _HEAD_DIM = 4, 8, 2, 32
@@ -226,6 +232,7 @@ def hy_v3_weight_specs(
 OWN_WRITERS = {
     "step3p5": (step3p5_config, step3p5_weight_specs),
     "hy_v3": (hy_v3_config, hy_v3_weight_specs),
+    "mistral_large_3": (mistral_large_3_config, mistral_large_3_weight_specs),
 }
 
 

@@ -1,0 +1,239 @@
+"""Tiny random-weight checkpoints of families whose releases ship their config
+class as code of their own (``auto_map``), which transformers does not have:
+Ling (``BailingMoeForCausalLM``), Ling 2.0 (``BailingMoeV2ForCausalLM``) and
+DeepSeek-MoE (``DeepseekForCausalLM``, ``model_type: deepseek``).
+
+Each checkpoint carries, as the releases do, a ``configuration_*.py`` that
+``config.json``'s ``auto_map`` names (a plain ``PretrainedConfig`` holding
+the keys), so vLLM loads it with ``--trust-remote-code``; ``config.json``
+holds the keys vLLM's module reads. The weights are in the releases' names,
+one tensor per routed expert::
+
+    Ling, Ling 2.0 (vLLM's ``bailing_moe``)
+    model.word_embeddings.weight, model.norm.weight, lm_head.weight
+    model.layers.N.attention.query_key_value.weight    fused q, k, v
+    model.layers.N.attention.dense.weight              output projection
+    model.layers.N.attention.{query,key}_layernorm.weight   Ling 2.0's q/k norms
+    model.layers.N.mlp.{gate,up,down}_proj.weight      dense layers (Ling 2.0: 0)
+    model.layers.N.mlp.gate.weight                     router
+    model.layers.N.mlp.gate.expert_bias                Ling 2.0's score bias
+    model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+    model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight
+
+    DeepSeek-MoE (vLLM's ``deepseek_v2``, multi-head attention)
+    model.layers.N.self_attn.{q,k,v,o}_proj.weight
+    model.layers.N.mlp.gate.weight, mlp.experts.E.*, mlp.shared_experts.*
+
+What the tiny models keep: Ling: every layer MoE, softmax top-k
+renormalised, two shared experts, the lm_head normalised on load
+(``norm_head``). Ling 2.0: layer 0 dense, q/k RMS norms, partial rotary,
+sigmoid scores with a bias on the gate over grouped top-k, routed scaling, a
+shared expert, an fp32 router. DeepSeek-MoE: layer 0 dense, softmax top-k
+not renormalised, two shared experts.
+
+Used by :mod:`vllm_afd.models.tiny_hf` (``hf_config`` / ``write_hf_weights``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_HEADS, _KV_HEADS, _HEAD_DIM = 4, 2, 32
+
+#: family -> (model_type, architecture, config class, MoE keys)
+REMOTE_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    # Ling (1.x): every layer MoE, softmax top-k, two shared experts
+    "bailing_moe": (
+        "bailing_moe",
+        "BailingMoeForCausalLM",
+        "BailingMoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=2,
+            norm_topk_prob=True,
+            first_k_dense_replace=0,
+            norm_head=True,
+        ),
+    ),
+    # Ling 2.0: a first dense layer, sigmoid grouped top-k with a bias held
+    # by the gate, routed scaling, q/k RMS norms, partial rotary
+    "bailing_moe_v2": (
+        "bailing_moe",
+        "BailingMoeV2ForCausalLM",
+        "BailingMoeV2Config",
+        dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            num_shared_experts=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            router_dtype="fp32",
+            use_qk_norm=True,
+            use_rmsnorm=True,
+            partial_rotary_factor=0.5,
+        ),
+    ),
+    # DeepSeek-MoE: multi-head attention, a first dense layer, softmax top-k
+    # not renormalised, two shared experts
+    "deepseek_moe": (
+        "deepseek",
+        "DeepseekForCausalLM",
+        "DeepseekConfig",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+            first_k_dense_replace=1,
+            moe_layer_freq=1,
+            scoring_func="softmax",
+            topk_method="greedy",
+        ),
+    ),
+}
+
+_CONFIG_CODE = '''\
+"""{arch}'s configuration: the keys of config.json, as attributes."""
+
+from transformers import PretrainedConfig
+
+
+class {cls}(PretrainedConfig):
+    model_type = "{model_type}"
+'''
+
+
+@dataclass(frozen=True)
+class RemoteCodeConfig:
+    """A tiny checkpoint's ``config.json`` (``values``) and the family's
+    config module it names."""
+
+    family: str
+    values: dict[str, Any]
+
+    @property
+    def model_type(self) -> str:
+        return self.values["model_type"]
+
+    @property
+    def module(self) -> str:
+        return "configuration_" + self.family
+
+
+def remote_config(
+    family: str,
+    moe: dict[str, Any],
+    *,
+    num_layers: int,
+    vocab_size: int,
+    hidden_size: int,
+    dtype: str,
+    special_ids: dict[str, int],
+    max_positions: int,
+) -> RemoteCodeConfig:
+    """The config of a tiny ``family`` model, ``moe`` its MoE keys."""
+    model_type, arch, cls, _ = REMOTE_FAMILIES[family]
+    values: dict[str, Any] = dict(
+        architectures=[arch],
+        auto_map={"AutoConfig": f"configuration_{family}.{cls}"},
+        model_type=model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=_HEADS,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+        **special_ids,
+        **moe,
+    )
+    if model_type == "deepseek":
+        # multi-head attention of hidden / heads wide heads
+        values.update(num_key_value_heads=_HEADS, attention_bias=False)
+    else:
+        values.update(
+            num_key_value_heads=_KV_HEADS,
+            head_dim=_HEAD_DIM,
+            use_bias=False,
+            use_qkv_bias=False,
+            embedding_dropout=0.0,
+        )
+    return RemoteCodeConfig(family, dict(sorted(values.items())))
+
+
+def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
+    from vllm_afd.models.tiny_own import mlp_specs
+
+    c = config.values
+    h, vocab = c["hidden_size"], c["vocab_size"]
+    deepseek = c["model_type"] == "deepseek"
+    experts = c["n_routed_experts" if deepseek else "num_experts"]
+    shared = c["n_shared_experts" if deepseek else "num_shared_experts"]
+    inter = c["moe_intermediate_size"]
+    embed = "model.embed_tokens.weight" if deepseek else "model.word_embeddings.weight"
+    specs: dict[str, tuple[tuple[int, ...], str]] = {
+        embed: ((vocab, h), "embed"),
+        "model.norm.weight": ((h,), "norm"),
+        "lm_head.weight": ((vocab, h), "lm_head"),
+    }
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        specs[f"{p}.input_layernorm.weight"] = ((h,), "norm")
+        specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
+        if deepseek:
+            a = f"{p}.self_attn"
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                specs[f"{a}.{proj}.weight"] = ((h, h), "linear")
+        else:
+            a = f"{p}.attention"
+            q, kv = _HEADS * _HEAD_DIM, _KV_HEADS * _HEAD_DIM
+            specs[f"{a}.query_key_value.weight"] = ((q + 2 * kv, h), "linear")
+            specs[f"{a}.dense.weight"] = ((h, q), "linear")
+            if c.get("use_qk_norm"):
+                specs[f"{a}.query_layernorm.weight"] = ((_HEAD_DIM,), "norm")
+                specs[f"{a}.key_layernorm.weight"] = ((_HEAD_DIM,), "norm")
+        m = f"{p}.mlp"
+        if i < c["first_k_dense_replace"]:
+            specs.update(mlp_specs(m, h, c["intermediate_size"]))
+            continue
+        specs[f"{m}.gate.weight"] = ((experts, h), "router")
+        if c.get("moe_router_enable_expert_bias"):
+            specs[f"{m}.gate.expert_bias"] = ((experts,), "bias")
+        for e in range(experts):
+            specs.update(mlp_specs(f"{m}.experts.{e}", h, inter))
+        specs.update(mlp_specs(f"{m}.shared_experts", h, inter * shared))
+    return specs
+
+
+def write_remote(
+    config: RemoteCodeConfig, out: Path, draw: Any, seed: int, dtype: torch.dtype
+) -> None:
+    """Write ``config.json``, the config module it names and the weights."""
+    from safetensors.torch import save_file
+
+    model_type, arch, cls, _ = REMOTE_FAMILIES[config.family]
+    (out / "config.json").write_text(json.dumps(config.values, indent=2) + "\n")
+    code = _CONFIG_CODE.format(arch=arch, cls=cls, model_type=model_type)
+    (out / f"{config.module}.py").write_text(code)
+    tensors = {
+        name: draw(seed, name, shape, kind).to(dtype).contiguous()
+        for name, (shape, kind) in sorted(weight_specs(config).items())
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
