@@ -5,7 +5,8 @@
 # and logs to OUTDIR.
 #
 #   tools/gpu/run_gpu_tests.sh OUTDIR [--target DIR] [--no-bench | --bench-only]
-#                              [-k EXPR] [--shard I/N] [-- BENCH_ARGS...]
+#                              [-k EXPR] [--shard I/N] [--parallel N]
+#                              [-- BENCH_ARGS...]
 #
 #   --target DIR   install the project into DIR (pip --target; DIR must be on
 #                  PYTHONPATH) instead of the current environment
@@ -13,6 +14,9 @@
 #   -k EXPR        run only the GPU tests pytest selects with -k EXPR
 #   --shard I/N    run only shard I of N (tools/gpu/shard.py: even estimated
 #                  time, so each shard fits one time-limited run)
+#   --parallel N   N pytest-xdist workers, tests spread one at a time (the
+#                  one-GPU tests share the GPU under one MPS daemon, which
+#                  the script starts when none runs and stops at the end)
 #   -- ARGS        passed to tools/gpu/bench_decode.py (e.g. --cuda-graphs)
 #
 # OUTDIR receives: pytest.log, junit.xml, results.json (tests), bench.json and
@@ -21,10 +25,10 @@
 # role's server log).
 set -uo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 OUT=$1; shift
-TARGET=""; RUN_TESTS=1; RUN_BENCH=1; SELECT=(); SHARD=""
+TARGET=""; RUN_TESTS=1; RUN_BENCH=1; SELECT=(); SHARD=""; PARALLEL=1
 while [ $# -gt 0 ]; do
   case $1 in
     --target) TARGET=$2; shift 2 ;;
@@ -32,6 +36,7 @@ while [ $# -gt 0 ]; do
     --bench-only) RUN_TESTS=0; shift ;;
     -k) SELECT=(-k "$2"); shift 2 ;;
     --shard) SHARD=$2; shift 2 ;;
+    --parallel) PARALLEL=$2; shift 2 ;;
     --) shift; break ;;
     *) usage ;;
   esac
@@ -59,12 +64,22 @@ assert "vllm_afd:register" in names, f"plugin entry point not visible: {names}"
 print("plugin entry point: vllm_afd:register")
 PY
 
+[[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || { echo "--parallel $PARALLEL: expected a number of workers >= 1" >&2; exit 2; }
+XDIST=()
+if [ $RUN_TESTS = 1 ] && [ "$PARALLEL" -gt 1 ]; then
+  python3 -c "import xdist" 2>/dev/null \
+    || { echo "--parallel needs pytest-xdist (pip install pytest-xdist)" >&2; exit 2; }
+  XDIST=(-n "$PARALLEL" --dist load)
+fi
+
 TMP=$(mktemp -d)
 rc=0
+MPS_STARTED=0
 # Server logs reach OUTDIR even when a time limit stops the run part-way.
 archive_logs() {
   (cd "$TMP" && find . -name '*.log' -print0 | tar czf "$OUT/server_logs.tgz" --null -T -)
   rm -rf "$TMP"
+  [ $MPS_STARTED = 1 ] && echo quit | nvidia-cuda-mps-control
 }
 trap archive_logs EXIT
 trap 'exit 143' TERM INT
@@ -75,7 +90,13 @@ if [ $RUN_TESTS = 1 ]; then
     [ ${#TESTS[@]} -gt 0 ] || { echo "shard $SHARD holds no test" >&2; exit 2; }
     echo "shard $SHARD: ${#TESTS[@]} tests"
   fi
-  python3 -m pytest "${TESTS[@]}" -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" \
+  # Workers must not each start and stop the MPS daemon (tests/gpu/conftest.py
+  # leaves one that runs alone): one for the whole run.
+  if [ ${#XDIST[@]} -gt 0 ] && [ ! -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] \
+      && command -v nvidia-cuda-mps-control > /dev/null && [ "$(id -u)" = 0 ]; then
+    nvidia-cuda-mps-control -d && MPS_STARTED=1
+  fi
+  python3 -m pytest "${TESTS[@]}" -m gpu -v -s -p no:cacheprovider --basetemp="$TMP/pytest" "${SELECT[@]}" "${XDIST[@]}" \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
   python3 - "$OUT" <<'PY'
