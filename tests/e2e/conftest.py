@@ -138,10 +138,22 @@ def tiny_models():
     return {arch: stored_tiny_model(arch, 4) for arch in ("deepseek_v2", "deepseek_v3")}
 
 
+class _TinyModels(dict):
+    """``{arch: path}`` of 3-layer tiny checkpoints, each written (or taken
+    from the store) when a test first asks for it: a session that runs a
+    few families writes only theirs."""
+
+    def __missing__(self, arch: str) -> Path:
+        from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
+
+        if arch not in TINY_ARCHS:
+            raise KeyError(arch)
+        path = self[arch] = stored_tiny_model(arch, 3)
+        return path
+
+
 @pytest.fixture(scope="session")
 def family_models():
     """A tiny checkpoint of every family ``vllm-afd tiny-model`` writes (3
-    layers: layer 0 dense where the family has dense layers)."""
-    from vllm_afd.models.tiny_checkpoint import TINY_ARCHS
-
-    return {arch: stored_tiny_model(arch, 3) for arch in TINY_ARCHS}
+    layers: layer 0 dense where the family has dense layers), on demand."""
+    return _TinyModels()
