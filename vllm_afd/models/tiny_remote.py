@@ -226,14 +226,14 @@ def write_remote(
     config: RemoteCodeConfig, out: Path, draw: Any, seed: int, dtype: torch.dtype
 ) -> None:
     """Write ``config.json``, the config module it names and the weights."""
-    from safetensors.torch import save_file
+    from vllm_afd.models.tiny_checkpoint import _save_safetensors
 
     model_type, arch, cls, _ = REMOTE_FAMILIES[config.family]
     (out / "config.json").write_text(json.dumps(config.values, indent=2) + "\n")
     code = _CONFIG_CODE.format(arch=arch, cls=cls, model_type=model_type)
     (out / f"{config.module}.py").write_text(code)
     tensors = {
-        name: draw(seed, name, shape, kind).to(dtype).contiguous()
-        for name, (shape, kind) in sorted(weight_specs(config).items())
+        name: draw(seed, name, shape, kind).to(dtype)
+        for name, (shape, kind) in weight_specs(config).items()
     }
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_safetensors(tensors, out / "model.safetensors")
