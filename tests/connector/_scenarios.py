@@ -142,6 +142,9 @@ def _connector(sc: Scenario, role: str, rank: int, **options: Any):
             **({"rank": rank} if role == "ffn" else {}),
             "connector_extra_config": {
                 "timeout_s": sc.timeout_s,
+                # the first served step too: a lost message fails the run
+                # within timeout_s, naming what was waited for
+                "warmup_timeout_s": sc.timeout_s,
                 "connect_timeout_s": sc.connect_timeout_s,
                 **sc.options,
                 **options,
@@ -267,10 +270,15 @@ def run(sc: Scenario, limit_s: float = 60.0) -> dict[tuple[str, int], dict]:
             threads.append(threading.Thread(target=body, daemon=True))
         for t in threads:
             t.start()
+        deadline = time.monotonic() + limit_s
         for t in threads:
-            t.join(max(limit_s - 0, 0.1))
-        for ep in eps:
-            results.setdefault(ep, {"hung": True})
+            t.join(max(deadline - time.monotonic(), 0.1))
+        frames = sys._current_frames()
+        for ep, t in zip(eps, threads, strict=True):
+            if ep not in results:
+                frame = frames.get(t.ident) if t.ident is not None else None
+                stack = "".join(traceback.format_stack(frame)) if frame else ""
+                results[ep] = {"hung": True, "stack": stack}
         return results
     ctx = _context()
     q = ctx.Queue()

@@ -56,6 +56,32 @@ def test_round_trip_exact_all_topologies(connector, topo, num_ubatches):
         assert results[("ffn", rank)]["steps"] == sc.steps
 
 
+def test_loopback_loses_no_message_when_threads_switch_anywhere():
+    """4A2F loopback, its six threads switched every microsecond and a
+    collection (with a callback: Python code, so another thread may run)
+    at every allocation. A mailbox looked up outside the hub's lock once let
+    a receiver's insertion overwrite the deque a sender had just filled: the
+    message was lost and its step waited its whole timeout (within about 30
+    runs here)."""
+    import gc
+
+    def callback(phase: str, info: dict) -> None:
+        sum(range(20))
+
+    switch, threshold = sys.getswitchinterval(), gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1, 1, 1)
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(100):
+            sc = S.Scenario("loopback", S.free_port(), 4, 2, timeout_s=5.0)
+            _ok(S.run(sc, limit_s=20.0))
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(switch)
+
+
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_round_trip_routing_bf16_with_gate_on_attention(connector):
     sc = S.Scenario(

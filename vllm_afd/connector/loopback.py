@@ -246,8 +246,11 @@ class _RecvWork(Work):
 
     def wait(self, timeout_s: float) -> None:
         hub = self._hub
-        queue = hub.mail[(self._src, self._dst, self._tag)]
         with hub.cond:
+            # Looked up under the lock: a lookup that inserts the key races
+            # with isend's (a collection run inside the insertion lets
+            # another thread in), and the message lands in the other deque.
+            queue = hub.mail[(self._src, self._dst, self._tag)]
             hub.touch(self._dst)
             hub.wait_for(lambda: bool(queue), self._src, time.monotonic() + timeout_s)
             data = queue.popleft()
