@@ -903,6 +903,7 @@ class Compared:
     afd: list[Completion]
     plain: list[Completion]
     log: str
+    #: the AFD counters (``afd_vs_plain(metrics=...)``); empty when not asked
     metrics: dict
 
 
@@ -910,13 +911,14 @@ def afd_vs_plain(
     spec: DeploymentSpec,
     texts: list[str],
     plain: list[Completion] | None = None,
-    ffn_metrics: bool = False,
+    metrics: str | None = None,
     then: DeploymentSpec | None = None,
     **start_kw: Any,
 ) -> Compared:
     """The workload on the pool's deployment of ``spec`` (started if none
-    runs), the /metrics of its attention role (FFN rank 0's with
-    ``ffn_metrics``), and the same workload's outputs from plain vLLM with
+    runs), the settled AFD counters of its ``metrics`` role ("attention", or
+    "ffn": FFN rank 0; none when None: reading them waits over a second),
+    and the same workload's outputs from plain vLLM with
     the same settings (unless ``plain`` already holds them). ``then``: the
     deployment the next test will ask for, started beside this one once this
     one runs (``POOL.prestart_deployment``; this one is then the most recently
@@ -929,7 +931,10 @@ def afd_vs_plain(
         POOL.prestart_deployment(then)
     try:
         afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
-        metrics = settled_metrics(afd.ffn.url if ffn_metrics else afd.api_url)
+        counters = {}
+        if metrics is not None:
+            url = afd.ffn.url if metrics == "ffn" else afd.api_url
+            counters = settled_metrics(url)
     except BaseException:
         print_log_tail(log)
         raise
@@ -937,7 +942,7 @@ def afd_vs_plain(
         POOL.trim()
     if plain is None:
         plain = plain_outputs(spec, texts)
-    return Compared(afd_out, plain, log.getvalue(), metrics)
+    return Compared(afd_out, plain, log.getvalue(), counters)
 
 
 def settled_metrics(url: str, timeout: float = 15.0) -> dict:

@@ -44,7 +44,7 @@ def _run(tiny_models, arch, gate_on_attention, args=FP32_EAGER):
         args,
         gate_on_attention=gate_on_attention,
     )
-    run = afd_vs_plain(spec, prompts(16), ffn_metrics=True)
+    run = afd_vs_plain(spec, prompts(16), metrics="ffn")
     return run.afd, run.plain, parameter_bytes(run.log), run.metrics
 
 
