@@ -70,6 +70,36 @@ def test_cpu_bind_split_gives_each_role_process_cores_of_its_own(
     assert [p.env[BIND_ENV] for p in procs] == [*ffn, attention]
 
 
+def test_cpu_servers_sleep_idle_openmp_threads_unless_the_user_chose(
+    monkeypatch, capsys
+) -> None:
+    """Every CPU server the launcher starts (roles, plain vLLM, prefill
+    servers) gets OMP_WAIT_POLICY=PASSIVE, shown by --dry-run; a policy in
+    the environment is kept; CUDA servers get none."""
+    import torch
+
+    from vllm_afd.deploy.commands import OMP_WAIT_ENV, memory_budget
+    from vllm_afd.deploy.pd import PDSpec, pd_processes
+
+    monkeypatch.delenv(OMP_WAIT_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU host
+    cpu = DeploymentSpec(model="m", attention_ranks=2, ffn_ranks=2, cpu_workaround=True)
+    servers = [*role_processes(cpu), PlainServer(cpu).process]
+    prefills, router = pd_processes(
+        PDSpec.make(cpu, prefill=2, port=9000), {"kv_connector": "x"},
+        memory_budget(cpu),
+    )  # fmt: skip
+    servers += prefills
+    assert [p.env.get(OMP_WAIT_ENV) for p in servers] == ["PASSIVE"] * 6
+    assert cli.main(["launch", "m", "--dry-run", "--", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(x.startswith("OMP_WAIT_POLICY=PASSIVE ") for x in lines) == 2, lines
+    gpu = DeploymentSpec(model="m", cpu_workaround=False)
+    assert all(OMP_WAIT_ENV not in p.env for p in role_processes(gpu))
+    monkeypatch.setenv(OMP_WAIT_ENV, "ACTIVE")
+    assert {p.env[OMP_WAIT_ENV] for p in role_processes(cpu)} == {"ACTIVE"}
+
+
 def test_cpu_bind_split_refuses_what_it_cannot_place(monkeypatch) -> None:
     from vllm_afd.deploy.commands import BIND_ENV, split_cores
 

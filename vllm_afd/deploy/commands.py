@@ -134,16 +134,28 @@ def api_host_of(spec: DeploymentSpec, role_args: Sequence[str], node: int = 0) -
     return given if given is not None else spec.node_api_host(node)
 
 
-def child_env(devices: str | None) -> dict[str, str]:
+#: OpenMP's wait policy, which :func:`child_env` sets for CPU servers
+OMP_WAIT_ENV = "OMP_WAIT_POLICY"
+
+
+def child_env(devices: str | None, cpu: bool = False) -> dict[str, str]:
     """A server process's own environment: this one's, without the parent
     server's pid, with this launcher's pid (``AFD_LAUNCHER_PID``: the role
     stops when the launcher is gone, see ``vllm_afd.lifeline``) and
-    ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is."""
+    ``CUDA_VISIBLE_DEVICES`` set when ``devices`` is.
+
+    ``cpu``: a server on CPU, beside others on the same cores (vLLM's
+    automatic binding puts every role's threads there): its idle OpenMP
+    threads sleep (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning, as GNU
+    OpenMP's default does for a while, on the cores another role's step
+    needs, unless this environment sets the policy."""
     env = dict(os.environ)
     env.pop("AFD_SERVER_PID", None)
     env["AFD_LAUNCHER_PID"] = str(os.getpid())
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
+    if cpu and OMP_WAIT_ENV not in env:
+        env[OMP_WAIT_ENV] = "PASSIVE"
     return env
 
 
@@ -256,6 +268,7 @@ def role_processes(
     ffn_common = without_option(common, KV_TRANSFER_FLAG)
     ffn_port = spec.ffn_port or spec.port + 1
     attention_devices, ffn_devices = spec.role_devices()
+    cpu = on_cpu(spec)
     procs = []
     for k in place.ffn_ranks_on(node):
         afd = spec.afd_config("ffn")
@@ -268,7 +281,7 @@ def role_processes(
         argv = serve_argv(
             spec.model, ffn_port + k, extra + spec.ffn_args + ffn_common, host
         )
-        env = {**child_env(ffn_devices[k]), **node_vars}
+        env = {**child_env(ffn_devices[k], cpu), **node_vars}
         procs.append(RoleProcess(name, argv, ffn_port + k, env, host))
     attention_ranks = len(place.attention_ranks_on(node))
     if attention_ranks:
@@ -280,7 +293,7 @@ def role_processes(
         argv = serve_argv(
             spec.model, spec.port, extra + spec.attention_args + common, host
         )
-        env = {**child_env(attention_devices), **node_vars}
+        env = {**child_env(attention_devices, cpu), **node_vars}
         headless = node != place.attention_leader
         procs.append(
             RoleProcess("attention", argv, spec.port, env, host, headless=headless)
@@ -292,7 +305,7 @@ def role_processes(
 
 SHOWN_VARIABLES = (
     "CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-    BIND_ENV,
+    BIND_ENV, OMP_WAIT_ENV,
 )  # fmt: skip
 
 

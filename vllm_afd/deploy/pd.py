@@ -459,7 +459,13 @@ def pd_processes(
             decode.model, first + k, [*kv, *memory, *spec.prefill_args, *common], host
         )
         prefills.append(
-            RoleProcess(name, argv, first + k, child_env(spec.prefill_devices), host)
+            RoleProcess(
+                name,
+                argv,
+                first + k,
+                child_env(spec.prefill_devices, on_cpu(decode)),
+                host,
+            )  # fmt: skip
         )
     router = RoleProcess(
         "router",

@@ -12,6 +12,7 @@ from vllm_afd.deploy.commands import (
     CPU_COMPILATION_CONFIG,
     api_host_of,
     child_env,
+    on_cpu,
     serve_argv,
     wants_cpu_workaround,
 )
@@ -39,7 +40,7 @@ class PlainServer:
             name,
             serve_argv(spec.model, port or spec.port, common, host),
             port or spec.port,
-            child_env(spec.plain_devices()),
+            child_env(spec.plain_devices(), on_cpu(spec)),
             host,
         )
         if log_dir is not None:
