@@ -85,7 +85,7 @@ def test_cpu_servers_sleep_idle_openmp_threads_unless_the_user_chose(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU host
     cpu = DeploymentSpec(model="m", attention_ranks=2, ffn_ranks=2, cpu_workaround=True)
     servers = [*role_processes(cpu), PlainServer(cpu).process]
-    prefills, router = pd_processes(
+    prefills, _router = pd_processes(
         PDSpec.make(cpu, prefill=2, port=9000), {"kv_connector": "x"},
         memory_budget(cpu),
     )  # fmt: skip

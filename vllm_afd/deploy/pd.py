@@ -453,20 +453,14 @@ def pd_processes(
         return prefills, RoleProcess(
             "router", router_argv(spec, urls, host), spec.port, child_env(None), host
         )
+    cpu = on_cpu(decode)
     for k in range(spec.prefill):
         name = "prefill" if spec.prefill == 1 else f"prefill{k}"
         argv = serve_argv(
             decode.model, first + k, [*kv, *memory, *spec.prefill_args, *common], host
         )
-        prefills.append(
-            RoleProcess(
-                name,
-                argv,
-                first + k,
-                child_env(spec.prefill_devices, on_cpu(decode)),
-                host,
-            )  # fmt: skip
-        )
+        env = child_env(spec.prefill_devices, cpu)
+        prefills.append(RoleProcess(name, argv, first + k, env, host))
     router = RoleProcess(
         "router",
         router_argv(spec, [p.url for p in prefills], host),
