@@ -6,9 +6,11 @@ plain server's own command line) instead of starting a plain server per model
 and settings. That is only a baseline if it answers as the server does: here
 both answer the workload of the families test (16 prompts of 1 to 200 tokens,
 32 to 64 new tokens, greedy, top-5 logprobs) on its Qwen3-MoE model; token ids
-must be identical and logprobs agree within the fp32 tolerance of a 1A1F
-comparison (the server batches requests as they arrive, so rows may meet in
-other batches and CPU GEMMs round differently, as between AFD and plain).
+must be identical and logprobs agree within 1e-4, the bound of the suite's
+batch-sensitive comparisons: the server batches requests as they arrive, so
+rows meet in other batches than the runner's and CPU fp32 GEMMs round
+differently. At 1e-5 this test failed in 1 of 3 full-suite runs (a single
+logprob off by 1.025e-5); the token ids never differed.
 """
 
 from __future__ import annotations
@@ -42,4 +44,4 @@ def test_the_baseline_answers_as_a_plain_vllm_server(family_models):
         served = run_workload(server.url, served_model(server.url), texts)
     finally:
         POOL.trim()
-    assert_same_outputs(served, baseline, atol=1e-5)
+    assert_same_outputs(served, baseline, atol=1e-4)
