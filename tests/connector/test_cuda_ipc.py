@@ -303,6 +303,7 @@ def test_cuda_ipc_wait_for_a_silent_peer_ends_after_timeout_s():
     out = _run_pair("timeout", sc)
     att = out["attention"]
     assert att.get("ok") and att["error"] == "AFDTimeoutError", out
+    assert "the slot held no exchange yet" in att["message"], att
     assert 1.5 < att["waited"] < 10, att
 
 

@@ -423,9 +423,13 @@ class CudaIpcDataPlane(DataPlane):
             return f"#{n} (layer {layer})"
 
         if code == k.TIMEOUT:
+            # What the slot held when the wait gave up tells a peer that sent
+            # nothing (the exchange before, or none) from one whose counter
+            # ran apart from this endpoint's.
+            last = f"exchange {exchange(got)}" if got else "no exchange yet"
             raise AFDTimeoutError(
                 f"the device waited for {what} exchange {exchange(want)} and it "
-                "never came (timeout_s on the device clock)"
+                f"never came (timeout_s on the device clock); the slot held {last}"
             )
         if code == k.ABORTED:
             raise AFDPeerError(f"the wait for {what} was aborted (the peer is gone)")
