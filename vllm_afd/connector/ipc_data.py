@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ from vllm_afd.connector.data import Capabilities, DataPlane, Work, check_backend
 from vllm_afd.connector.protocol import LAYER_SHIFT, MAX_LAYERS, UBATCH_SHIFT, Kind
 from vllm_afd.errors import (
     AFDConnectorError,
+    AFDError,
     AFDPeerError,
     AFDProtocolError,
     AFDTimeoutError,
@@ -57,6 +59,10 @@ _ABORT_EVERY = 256
 _MIN_TIMEOUT_NS = 1 << 31
 #: elements (int32, or bytes) one program of the sm copy moves
 _SM_BLOCK = 2048
+#: a wait's error record holds ``peer index * _PEER_STRIDE + slot``
+_PEER_STRIDE = 1 << 16
+#: how long an FFN plane's close waits for its stream to drain after the abort
+_CLOSE_REPORT_S = 2.0
 
 
 def share(buf: torch.Tensor) -> dict[str, Any]:
@@ -401,7 +407,7 @@ class CudaIpcDataPlane(DataPlane):
         k = self._k
         k.wait_kernel[(1,)](
             flag, seen, self._failed, self._record_arg, self._abort_arg,
-            timeout_ns, region.slot, layer, POISON_BIT=k.POISON,
+            timeout_ns, i * _PEER_STRIDE + region.slot, layer, POISON_BIT=k.POISON,
             SEQ_SHIFT=k.SEQ_SHIFT, ABORT_EVERY=_ABORT_EVERY,
         )  # fmt: skip
         out.copy_(buf[region.offset : region.offset + n])
@@ -412,9 +418,13 @@ class CudaIpcDataPlane(DataPlane):
         if code == 0 or self._reported:
             return
         self._reported = True
-        slot, got, want = (int(x) for x in self._record[1:4])
+        where, got, want = (int(x) for x in self._record[1:4])
+        i, slot = divmod(where, _PEER_STRIDE)
         k = self._k
         kind = Kind(slot % layout.KINDS).name.lower()
+        peer = "ffn" if self._role is AFDRole.ATTENTION else "attention"
+        if i < len(self._peers):
+            peer = f"{peer} rank {self._peers[i]}"
         what = f"{kind} ubatch {slot // layout.KINDS}"
 
         def exchange(flag: int) -> str:
@@ -422,35 +432,67 @@ class CudaIpcDataPlane(DataPlane):
             n, layer = flag >> k.SEQ_SHIFT, flag & (MAX_LAYERS - 1)
             return f"#{n} (layer {layer})"
 
+        # What the slot held when the wait gave up tells a peer that sent
+        # nothing (the exchange before, or none) from one whose counter ran
+        # apart from this endpoint's.
+        last = f"exchange {exchange(got)}" if got else "no exchange yet"
         if code == k.TIMEOUT:
-            # What the slot held when the wait gave up tells a peer that sent
-            # nothing (the exchange before, or none) from one whose counter
-            # ran apart from this endpoint's.
-            last = f"exchange {exchange(got)}" if got else "no exchange yet"
             raise AFDTimeoutError(
-                f"the device waited for {what} exchange {exchange(want)} and it "
-                f"never came (timeout_s on the device clock); the slot held {last}"
+                f"the device waited for {what} exchange {exchange(want)} from "
+                f"{peer} and it never came (timeout_s on the device clock); the "
+                f"slot held {last}"
             )
         if code == k.ABORTED:
-            raise AFDPeerError(f"the wait for {what} was aborted (the peer is gone)")
+            raise AFDPeerError(
+                f"the wait for {what} exchange {exchange(want)} from {peer} was "
+                f"aborted (the peer is gone); the slot held {last}"
+            )
         if code == k.POISONED:
             raise AFDPeerError(
-                f"the peer failed an exchange of this step and said so with {what}"
+                f"the peer failed an exchange of this step and said so with {what} "
+                f"({peer})"
             )
         raise AFDProtocolError(
-            f"{what}: the device expected exchange {exchange(want)} and found "
-            f"{exchange(got)}: the endpoints ran different exchanges "
+            f"{what} from {peer}: the device expected exchange "
+            f"{exchange(want)} and found {exchange(got)}: the endpoints ran "
+            "different exchanges "
             "(desynchronised)"
         )
 
     def abort(self) -> None:
         self._abort[0] = 1
 
+    def _report_device_state(self) -> None:
+        """Log where the FFN's device stood when its plane closed: a wait
+        that was still spinning (the abort ends it and leaves its record:
+        which peer and exchange, what the slot held), or a stream still busy
+        after the abort (stuck outside this plane's waits). Silent when the
+        device had finished (a clean close) or the record was reported."""
+        if self._reported:
+            return
+        stream = torch.cuda.default_stream(self._device)
+        deadline = time.monotonic() + _CLOSE_REPORT_S
+        while not stream.query() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            self.check()
+        except AFDError as e:
+            logger.warning("AFD cuda_ipc data plane closed mid-exchange: %s", e)
+            return
+        if not stream.query():
+            logger.warning(
+                "AFD cuda_ipc data plane closed with the device's default stream "
+                "still busy %.0f s after the abort, in no wait of this plane "
+                "(a kernel of the step, or another wait)", _CLOSE_REPORT_S,
+            )  # fmt: skip
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.abort()  # any wait still spinning ends now
+        if self._role is AFDRole.FFN:
+            self._report_device_state()
         self._buf = [None] * len(self._peers)  # attention: _KEPT keeps its own
         self._flags.clear()
         with _KEPT_LOCK:
