@@ -846,6 +846,37 @@ def test_the_attention_link_serves_zeros_names_the_lost_rank_and_rejoins(monkeyp
             loop.stop()
 
 
+def test_a_forward_that_records_piecewise_graphs_sends_nothing():
+    """In the forward where vLLM records the piecewise graphs around the
+    exchange (CAPTURE), the graph before it was recorded, not run, so the
+    op's rows and routing are stale memory (here ids out of range, NaN
+    rows): nothing reaches an FFN rank, the op returns zeros, and the next
+    served step is exact."""
+    from vllm_afd.connector.payloads import Routing
+    from vllm_afd.connector.protocol import ExecMode
+    from vllm_afd.models.async_exchange import AsyncAttentionExchange
+
+    att, loops = _served_session(free_port())
+    exchange = AsyncAttentionExchange(att, False)
+    try:
+        exchange.begin_step(8, ExecMode.CAPTURE)
+        stale = Routing(
+            torch.full((8, K), float("nan")),
+            torch.tensor([[-7, 10**6]] * 8, dtype=torch.int32),
+        )
+        for layer in LAYERS:
+            got = exchange.exchange(torch.full((8, H), float("nan")), layer, stale, 1)
+            assert got.shape == (8, H) and torch.count_nonzero(got) == 0
+        assert exchange.failure is None
+        assert [loop.stats.steps for loop in loops] == [0, 0]
+        for want, got in _async_step(exchange, 1):
+            assert torch.allclose(got, want, atol=1e-5)
+    finally:
+        att.close()
+        for loop in loops:
+            loop.stop()
+
+
 def test_a_work_item_whose_compute_stalls_logs_the_ffn_stack(caplog):
     """The async FFN loop's stall watch: a work item's compute that does not
     return logs the serving thread's stack after its bound, naming

@@ -22,7 +22,10 @@ headers travel over TCP either way, so the exchange itself cannot be
 captured in a CUDA graph: with piecewise graphs it is a splitting op
 (``exchange.SPLITTING_OP``), run eagerly between two graphs and writing
 into a tensor the graph before it allocated; the config refuses FULL graphs,
-and an exchange met inside a capture raises.
+and an exchange met inside a capture raises. In the forward that records the
+piecewise graphs (``ExecMode.CAPTURE``) the graph before the op was recorded,
+not run, so its output is stale memory: the op sends nothing and returns
+zeros there.
 
 Losing an FFN rank (it exited, shut down, or did not answer in
 ``timeout_s``) is the synchronous connector's story (``worker.ffn_link``):
@@ -134,6 +137,12 @@ class AsyncAttentionExchange(AttentionExchange[Any]):
                 "adds with cudagraph_mode PIECEWISE and compilation mode "
                 "VLLM_COMPILE), or eagerly (--enforce-eager)"
             )
+        if self._mode is ExecMode.CAPTURE:
+            # vLLM records the piecewise graphs around this op in this
+            # forward, and a graph being recorded does not run: the rows and
+            # the routing this op gets are whatever that memory held (ids out
+            # of range, NaN rows). Nothing is sent; every replay runs the op.
+            return hidden.new_zeros(hidden.shape[0], parts * hidden.shape[1])
         endpoint = self.endpoint
         if endpoint is None or self.failure is not None:
             assert self.async_link is not None  # without a link it raised
