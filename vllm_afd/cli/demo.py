@@ -48,7 +48,8 @@ def demo_vllm_args(arch: str) -> list[str]:
     """:data:`DEMO_VLLM_ARGS`, in the dtype plain vLLM serves ``arch`` in on
     CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next), with
     ``--trust-remote-code`` for a family whose config class is code in the
-    checkpoint (``tiny_remote.REMOTE_FAMILIES``: Ling, Ling 2.0, DeepSeek-MoE)."""
+    checkpoint (``tiny_remote.REMOTE_FAMILIES``: Ling, Ling 2.0, DeepSeek-MoE,
+    Sarvam)."""
     from vllm_afd.models.tiny_hf import CPU_DTYPES
     from vllm_afd.models.tiny_remote import REMOTE_FAMILIES
 

@@ -184,6 +184,25 @@ FAMILIES: tuple[Family, ...] = (
         attention=("BailingAttention",),
     ),
     Family(
+        # Sarvam-MoE: vLLM builds it with a subclass of Ling's class (its
+        # classes are Ling's: sigmoid top-k with a bias held by the gate,
+        # routed scaling, a shared expert)
+        name="sarvam_moe",
+        module="bailing_moe",
+        archs=("SarvamMoEForCausalLM",),
+        dense_mlp="BailingMLP",
+        attention=("BailingAttention",),
+    ),
+    Family(
+        # Sarvam-MLA: DeepSeek-V3's layout in a module of its own (MLA,
+        # sigmoid grouped top-k with a bias held by the gate, shared experts)
+        name="sarvam_mla",
+        module="sarvam",
+        archs=("SarvamMLAForCausalLM",),
+        dense_mlp="SarvamMLAMLP",
+        attention=("SarvamMLAAttention",),
+    ),
+    Family(
         name="olmoe",
         module="olmoe",
         archs=("OlmoeForCausalLM",),

@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints of families whose releases ship their config
 class as code of their own (``auto_map``), which transformers does not have:
-Ling (``BailingMoeForCausalLM``), Ling 2.0 (``BailingMoeV2ForCausalLM``) and
-DeepSeek-MoE (``DeepseekForCausalLM``, ``model_type: deepseek``).
+Ling (``BailingMoeForCausalLM``), Ling 2.0 (``BailingMoeV2ForCausalLM``),
+DeepSeek-MoE (``DeepseekForCausalLM``, ``model_type: deepseek``), Sarvam-MoE
+(``SarvamMoEForCausalLM``) and Sarvam-MLA (``SarvamMLAForCausalLM``).
 
 Each checkpoint carries, as the releases do, a ``configuration_*.py`` that
 ``config.json``'s ``auto_map`` names (a plain ``PretrainedConfig`` holding
@@ -9,7 +10,7 @@ the keys), so vLLM loads it with ``--trust-remote-code``; ``config.json``
 holds the keys vLLM's module reads. The weights are in the releases' names,
 one tensor per routed expert::
 
-    Ling, Ling 2.0 (vLLM's ``bailing_moe``)
+    Ling, Ling 2.0 (vLLM's ``bailing_moe``), Sarvam-MoE (Ling's classes)
     model.word_embeddings.weight, model.norm.weight, lm_head.weight
     model.layers.N.attention.query_key_value.weight    fused q, k, v
     model.layers.N.attention.dense.weight              output projection
@@ -24,12 +25,24 @@ one tensor per routed expert::
     model.layers.N.self_attn.{q,k,v,o}_proj.weight
     model.layers.N.mlp.gate.weight, mlp.experts.E.*, mlp.shared_experts.*
 
+    Sarvam-MLA (vLLM's ``sarvam``: DeepSeek-V3's names)
+    model.embed_tokens.weight
+    model.layers.N.self_attn.{q_proj,kv_b_proj,o_proj}.weight
+    model.layers.N.self_attn.{kv_a_proj_with_mqa,kv_a_layernorm}.weight
+    model.layers.N.mlp.gate.weight, mlp.gate.e_score_correction_bias
+    model.layers.N.mlp.experts.E.*, mlp.shared_experts.*
+
 What the tiny models keep: Ling: every layer MoE, softmax top-k
 renormalised, two shared experts, the lm_head normalised on load
 (``norm_head``). Ling 2.0: layer 0 dense, q/k RMS norms, partial rotary,
 sigmoid scores with a bias on the gate over grouped top-k, routed scaling, a
 shared expert, an fp32 router. DeepSeek-MoE: layer 0 dense, softmax top-k
-not renormalised, two shared experts.
+not renormalised, two shared experts. Sarvam-MoE: Ling 2.0's, top-k over one
+group, full rotary. Sarvam-MLA: layer 0 dense, MLA with queries projected
+directly and ``head_dim`` the latent cache's width (as the release's config
+class sets it: vLLM sizes the cache by it), sigmoid grouped top-k with a
+score bias (which vLLM's loader shifts to zero mean), routed scaling, a
+shared expert, an fp32 router.
 
 Used by :mod:`vllm_afd.models.tiny_hf` (``hf_config`` / ``write_hf_weights``).
 """
@@ -101,6 +114,59 @@ REMOTE_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
             topk_method="greedy",
         ),
     ),
+    # Sarvam-MoE: Ling 2.0's layout (vLLM builds it with a subclass of
+    # Ling's class): a first dense layer, sigmoid top-k over one group with a
+    # bias held by the gate, routed scaling, q/k RMS norms, an fp32 router
+    "sarvam_moe": (
+        "sarvam_moe",
+        "SarvamMoEForCausalLM",
+        "SarvamMoEConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            router_dtype="fp32",
+            use_qk_norm=True,
+            use_rmsnorm=True,
+        ),
+    ),
+    # Sarvam-MLA: DeepSeek-V3's layout in a module of its own: MLA, a first
+    # dense layer, sigmoid grouped top-k with a score bias that vLLM's loader
+    # shifts to zero mean, routed scaling, a shared expert, an fp32 router
+    "sarvam_mla": (
+        "sarvam_mla",
+        "SarvamMLAForCausalLM",
+        "SarvamMLAConfig",
+        dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            num_shared_experts=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            moe_layer_freq=1,
+            score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            router_dtype="fp32",
+            # vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only;
+            # queries projected directly, as in the release (vLLM's module
+            # builds no fused q/kv projection for a q_lora_rank)
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+        ),
+    ),
 }
 
 _CONFIG_CODE = '''\
@@ -166,6 +232,15 @@ def remote_config(
     if model_type == "deepseek":
         # multi-head attention of hidden / heads wide heads
         values.update(num_key_value_heads=_HEADS, attention_bias=False)
+    elif _mla(values):
+        # the release's config class sets head_dim to the latent cache's
+        # width, which vLLM sizes the cache by (it takes ``sarvam_mla`` for
+        # no MLA model type of its own)
+        values.update(
+            num_key_value_heads=_HEADS,
+            head_dim=values["kv_lora_rank"] + values["qk_rope_head_dim"],
+            embedding_dropout=0.0,
+        )
     else:
         values.update(
             num_key_value_heads=_KV_HEADS,
@@ -177,6 +252,25 @@ def remote_config(
     return RemoteCodeConfig(family, dict(sorted(values.items())))
 
 
+def _mla(values: dict[str, Any]) -> bool:
+    """Whether the family's attention is multi-head latent (Sarvam-MLA)."""
+    return "kv_lora_rank" in values
+
+
+def _mla_specs(a: str, c: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The MLA projections and norms under ``a`` (DeepSeek-V3's names)."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    kv_rank = c["kv_lora_rank"]
+    return {
+        f"{a}.q_proj.weight": ((heads * (nope + rope), h), "linear"),
+        f"{a}.kv_a_proj_with_mqa.weight": ((kv_rank + rope, h), "linear"),
+        f"{a}.kv_a_layernorm.weight": ((kv_rank,), "norm"),
+        f"{a}.kv_b_proj.weight": ((heads * (nope + v), kv_rank), "linear"),
+        f"{a}.o_proj.weight": ((h, heads * v), "linear"),
+    }
+
+
 def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
     from vllm_afd.models.tiny_own import mlp_specs
@@ -184,10 +278,14 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
     c = config.values
     h, vocab = c["hidden_size"], c["vocab_size"]
     deepseek = c["model_type"] == "deepseek"
+    mla = _mla(c)
     experts = c["n_routed_experts" if deepseek else "num_experts"]
     shared = c["n_shared_experts" if deepseek else "num_shared_experts"]
     inter = c["moe_intermediate_size"]
-    embed = "model.embed_tokens.weight" if deepseek else "model.word_embeddings.weight"
+    own_names = deepseek or mla  # DeepSeek's names, not Ling's
+    embed = "model.embed_tokens.weight" if own_names else "model.word_embeddings.weight"
+    # the gate's score bias: Ling's name, or DeepSeek-V3's (Sarvam-MLA)
+    bias = "e_score_correction_bias" if mla else "expert_bias"
     specs: dict[str, tuple[tuple[int, ...], str]] = {
         embed: ((vocab, h), "embed"),
         "model.norm.weight": ((h,), "norm"),
@@ -201,6 +299,8 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
             a = f"{p}.self_attn"
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 specs[f"{a}.{proj}.weight"] = ((h, h), "linear")
+        elif mla:
+            specs.update(_mla_specs(f"{p}.self_attn", c))
         else:
             a = f"{p}.attention"
             q, kv = _HEADS * _HEAD_DIM, _KV_HEADS * _HEAD_DIM
@@ -215,7 +315,7 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
             continue
         specs[f"{m}.gate.weight"] = ((experts, h), "router")
         if c.get("moe_router_enable_expert_bias"):
-            specs[f"{m}.gate.expert_bias"] = ((experts,), "bias")
+            specs[f"{m}.gate.{bias}"] = ((experts,), "bias")
         for e in range(experts):
             specs.update(mlp_specs(f"{m}.experts.{e}", h, inter))
         specs.update(mlp_specs(f"{m}.shared_experts", h, inter * shared))
