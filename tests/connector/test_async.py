@@ -877,6 +877,36 @@ def test_a_forward_that_records_piecewise_graphs_sends_nothing():
             loop.stop()
 
 
+def test_rows_with_out_of_range_expert_ids_go_nowhere_and_the_rest_is_exact():
+    """Padding rows of a CUDA-graph batch, and the dummy forwards that warm
+    up graph capture, route stale memory: expert ids below 0 or past the
+    last expert, NaN weights. Such a pair goes nowhere (vLLM's fused MoE
+    skips it too); the rows beside them are answered exactly, on one FFN
+    rank and with the experts split over two."""
+    from vllm_afd.models.async_exchange import AsyncAttentionExchange
+
+    for f in (1, 2):
+        att, loops = _served_session(free_port(), f)
+        exchange = AsyncAttentionExchange(att, False)
+        try:
+            exchange.begin_step(8)
+            for layer in LAYERS:
+                hidden, routing = _inputs(0, 5, layer, 8)
+                routing.topk_ids[6] = torch.tensor([-3, E + 5], dtype=torch.int32)
+                routing.topk_ids[7, 1] = -1
+                routing.topk_weights[6:] = float("nan")
+                got = exchange.exchange(hidden, layer, routing, 1)
+                want = _expert_sum(hidden[:6], Routing(
+                    routing.topk_weights[:6], routing.topk_ids[:6]
+                ))  # fmt: skip
+                assert torch.allclose(got[:6], want, atol=1e-5), f
+            assert exchange.failure is None
+        finally:
+            att.close()
+            for loop in loops:
+                loop.stop()
+
+
 def test_a_work_item_whose_compute_stalls_logs_the_ffn_stack(caplog):
     """The async FFN loop's stall watch: a work item's compute that does not
     return logs the serving thread's stack after its bound, naming

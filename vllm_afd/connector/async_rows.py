@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm_afd.connector.payloads import Routing
+
 if TYPE_CHECKING:
     from vllm_afd.connector.async_ep import ExpertSlices
-    from vllm_afd.connector.payloads import Routing
 
 #: the FFN rank that runs the shared experts (it gets every row)
 SHARED_RANK = 0
@@ -75,10 +76,34 @@ def group_rows(
     one, and an exchange of a few rows is mostly such overhead); on a device
     it reads from the device twice at most: the sizes, and the rows of the
     ranks that get some rows but not all.
+
+    A pair whose expert id is out of range goes nowhere: its id becomes
+    expert 0 and its weight 0, as vLLM's fused MoE skips ids outside its
+    experts. Rows that carry such routing are rows no output is read from:
+    the padding rows of a CUDA-graph batch and the dummy forwards that
+    warm up graph capture, whose inputs are stale memory.
     """
+    routing = _in_range(routing, slices.num_experts)
     if routing.topk_ids.device.type == "cpu":
         return _group_rows_host(owners, slices, routing, shared_experts)
     return _group_rows_device(owners, slices, routing, shared_experts)
+
+
+def _in_range(routing: Routing, num_experts: int) -> Routing:
+    """``routing`` with every pair of an out-of-range expert id on expert 0
+    at weight 0 (:func:`group_rows`). On the CPU a routing without such a
+    pair is returned as it is; on a device the check would cost a read from
+    it, so the masks are applied always (three small kernels)."""
+    ids, weights = routing.topk_ids, routing.topk_weights
+    if ids.device.type == "cpu":
+        a = ids.numpy()
+        if not ((a < 0) | (a >= num_experts)).any():
+            return routing
+    bad = (ids < 0) | (ids >= num_experts)
+    return Routing(
+        topk_weights=weights.masked_fill(bad, 0.0),
+        topk_ids=ids.masked_fill(bad, 0),
+    )
 
 
 def _group_rows_host(
