@@ -70,6 +70,7 @@ LAYOUTS = {
     "deepseek_moe": ([1, 2], [0]),  # DeepSeek-MoE: multi-head attention
     "sarvam_moe": ([1, 2], [0]),  # Sarvam-MoE: Ling 2.0's classes
     "sarvam_mla": ([1, 2], [0]),  # Sarvam-MLA: MLA, zero-mean score bias
+    "param2moe": ([1, 2], [0]),  # Ling's names, zero-mean score bias
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
@@ -95,14 +96,14 @@ EXPERTS = {
     "granitemoeshared": 8, "qwen3_next": 8, "exaone_moe": 8, "cohere2_moe": 8,
     "gemma4": 8, "mimo_v2": 8, "hy_v3": 8, "axk1": 16,
     "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
-    "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16,
+    "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16, "param2moe": 16,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
     "axk1", "mistral_large_3", "bailing_moe", "bailing_moe_v2", "deepseek_moe",
-    "sarvam_moe", "sarvam_mla",
+    "sarvam_moe", "sarvam_mla", "param2moe",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -112,6 +113,7 @@ DTYPES = {"qwen3_next": "bfloat16"}
 #: (``auto_map``): every server loads them with ``--trust-remote-code``
 REMOTE_CODE = (
     "bailing_moe", "bailing_moe_v2", "deepseek_moe", "sarvam_moe", "sarvam_mla",
+    "param2moe",
 )  # fmt: skip
 #: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
 BF16_ATOL = 1e-2
@@ -142,6 +144,7 @@ CASES = [
     ("deepseek_moe", 1, 1, True, "p2p"),
     ("sarvam_moe", 1, 1, True, "p2p"),
     ("sarvam_mla", 1, 1, True, "p2p"),
+    ("param2moe", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),

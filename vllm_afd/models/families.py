@@ -203,6 +203,15 @@ FAMILIES: tuple[Family, ...] = (
         attention=("SarvamMLAAttention",),
     ),
     Family(
+        # Param2-MoE: a first dense layer and a shared expert (one MLP
+        # class), sigmoid grouped top-k with a bias held by the gate
+        name="param2moe",
+        module="param2moe",
+        archs=("Param2MoEForCausalLM",),
+        dense_mlp="Param2MoEMLP",
+        attention=("Param2MoEAttention",),
+    ),
+    Family(
         name="olmoe",
         module="olmoe",
         archs=("OlmoeForCausalLM",),

@@ -2,7 +2,8 @@
 class as code of their own (``auto_map``), which transformers does not have:
 Ling (``BailingMoeForCausalLM``), Ling 2.0 (``BailingMoeV2ForCausalLM``),
 DeepSeek-MoE (``DeepseekForCausalLM``, ``model_type: deepseek``), Sarvam-MoE
-(``SarvamMoEForCausalLM``) and Sarvam-MLA (``SarvamMLAForCausalLM``).
+(``SarvamMoEForCausalLM``), Sarvam-MLA (``SarvamMLAForCausalLM``) and Param2
+(``Param2MoEForCausalLM``).
 
 Each checkpoint carries, as the releases do, a ``configuration_*.py`` that
 ``config.json``'s ``auto_map`` names (a plain ``PretrainedConfig`` holding
@@ -10,14 +11,14 @@ the keys), so vLLM loads it with ``--trust-remote-code``; ``config.json``
 holds the keys vLLM's module reads. The weights are in the releases' names,
 one tensor per routed expert::
 
-    Ling, Ling 2.0 (vLLM's ``bailing_moe``), Sarvam-MoE (Ling's classes)
+    Ling, Ling 2.0 (vLLM's ``bailing_moe``), Sarvam-MoE (Ling's classes), Param2
     model.word_embeddings.weight, model.norm.weight, lm_head.weight
     model.layers.N.attention.query_key_value.weight    fused q, k, v
     model.layers.N.attention.dense.weight              output projection
     model.layers.N.attention.{query,key}_layernorm.weight   Ling 2.0's q/k norms
     model.layers.N.mlp.{gate,up,down}_proj.weight      dense layers (Ling 2.0: 0)
     model.layers.N.mlp.gate.weight                     router
-    model.layers.N.mlp.gate.expert_bias                Ling 2.0's score bias
+    model.layers.N.mlp.gate.expert_bias                score bias (not Ling's)
     model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
     model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight
 
@@ -42,7 +43,8 @@ group, full rotary. Sarvam-MLA: layer 0 dense, MLA with queries projected
 directly and ``head_dim`` the latent cache's width (as the release's config
 class sets it: vLLM sizes the cache by it), sigmoid grouped top-k with a
 score bias (which vLLM's loader shifts to zero mean), routed scaling, a
-shared expert, an fp32 router.
+shared expert, an fp32 router. Param2: Ling 2.0's, its score bias shifted
+to zero mean by vLLM's loader.
 
 Used by :mod:`vllm_afd.models.tiny_hf` (``hf_config`` / ``write_hf_weights``).
 """
@@ -135,6 +137,31 @@ REMOTE_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
             router_dtype="fp32",
             use_qk_norm=True,
             use_rmsnorm=True,
+        ),
+    ),
+    # Param2-MoE: Ling's weight names in a module of its own: a first dense
+    # layer, q/k RMS norms, partial rotary, an fp32 gate, sigmoid grouped
+    # top-k with a bias held by the gate (which vLLM's loader shifts to zero
+    # mean), routed scaling, a shared expert
+    "param2moe": (
+        "param2moe",
+        "Param2MoEForCausalLM",
+        "Param2MoEConfig",
+        dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            num_shared_experts=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            # vLLM's module reads it, as the release's config class writes it
+            rope_scaling=None,
         ),
     ),
     # Sarvam-MLA: DeepSeek-V3's layout in a module of its own: MLA, a first
