@@ -471,15 +471,20 @@ class CudaIpcDataPlane(DataPlane):
         if self._reported:
             return
         stream = torch.cuda.default_stream(self._device)
-        deadline = time.monotonic() + _CLOSE_REPORT_S
-        while not stream.query() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        try:
+            deadline = time.monotonic() + _CLOSE_REPORT_S
+            while not stream.query() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            busy = not stream.query()
+        except RuntimeError as e:  # a device in error: nothing more to read
+            logger.warning("AFD cuda_ipc data plane closed; the device: %s", e)
+            return
         try:
             self.check()
         except AFDError as e:
             logger.warning("AFD cuda_ipc data plane closed mid-exchange: %s", e)
             return
-        if not stream.query():
+        if busy:
             logger.warning(
                 "AFD cuda_ipc data plane closed with the device's default stream "
                 "still busy %.0f s after the abort, in no wait of this plane "
