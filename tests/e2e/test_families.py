@@ -71,6 +71,9 @@ LAYOUTS = {
     "sarvam_moe": ([1, 2], [0]),  # Sarvam-MoE: Ling 2.0's classes
     "sarvam_mla": ([1, 2], [0]),  # Sarvam-MLA: MLA, zero-mean score bias
     "param2moe": ([1, 2], [0]),  # Ling's names, zero-mean score bias
+    # Step-3: MQA with low-rank queries; each MoE layer's shared expert beside
+    # its MoE block, built as the layer's dense MLP
+    "step3_text": ([1, 2], [0, 1, 2]),
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
@@ -97,6 +100,7 @@ EXPERTS = {
     "gemma4": 8, "mimo_v2": 8, "hy_v3": 8, "axk1": 16,
     "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
     "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16, "param2moe": 16,
+    "step3_text": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
@@ -145,6 +149,7 @@ CASES = [
     ("sarvam_moe", 1, 1, True, "p2p"),
     ("sarvam_mla", 1, 1, True, "p2p"),
     ("param2moe", 1, 1, True, "p2p"),
+    ("step3_text", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),

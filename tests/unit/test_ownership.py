@@ -145,6 +145,33 @@ TABLES = {
             "model.layers.1.mlp.shared_experts.up_proj.weight": (F, F),
         },
     ),
+    # Step-3: the MoE block is ``moe`` (its routed experts packed, one tensor
+    # per projection); each MoE layer's shared expert lies beside it, built as
+    # the layer's dense MLP (Step-3 builds its decoder under the prefix "":
+    # derive_split names these modules as the model holds them)
+    "step3_text": (
+        SplitPrefixes(
+            moe_blocks=("model.layers.1.moe", "model.layers.2.moe"),
+            gates=("model.layers.1.moe.gate", "model.layers.2.moe.gate"),
+            dense_mlps=(
+                "model.layers.0.mlp",
+                "model.layers.1.share_expert",
+                "model.layers.2.share_expert",
+            ),
+            routed_experts=("model.layers.1.moe.experts", "model.layers.2.moe.experts"),
+        ),
+        {
+            **_COMMON,
+            "model.layers.1.self_attn.q_proj.weight": (A, A),
+            "model.layers.1.self_attn.inter_norm.weight": (A, A),
+            "model.layers.1.self_attn.wq.weight": (A, A),
+            "model.layers.0.mlp.gate_proj.weight": (F, A),
+            "model.layers.1.share_expert.up_proj.weight": (F, A),
+            "model.layers.1.moe.gate.weight": (F, A),
+            "model.layers.1.moe.gate_proj.weight": (F, F),
+            "model.layers.2.moe.down_proj.weight": (F, F),
+        },
+    ),
     # ``layer_holds_moe``: the decoder layer holds router, dense MLP and
     # experts; the MoE block is vLLM's MoE layer alone
     "gemma4": (
@@ -252,3 +279,27 @@ def test_the_model_s_name_map_runs_first_and_a_dropped_name_stays():
         == "model.layers.1.mlp.gate.weight"
     )
     assert vllm_weight_name("lm_head.weight", mapped.get) == "lm_head.weight"
+
+
+def test_a_dense_mlp_built_under_another_prefix_is_named_as_the_model_holds_it():
+    """Step-3 builds its decoder under the prefix "" (not ``model``): vLLM
+    passes ``.layers.0.mlp`` for the module ``model.layers.0.mlp``, which the
+    split's prefixes must name as it is (ownership, parameter groups)."""
+    from torch import nn
+
+    from vllm_afd.errors import AFDConfigError
+    from vllm_afd.models.split import _built_names
+
+    layer = nn.Module()
+    layer.mlp = nn.Linear(2, 2)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([layer])
+    assert _built_names(model, ["model.layers.0.mlp"]) == ("model.layers.0.mlp",)
+    assert _built_names(model, [".layers.0.mlp"]) == ("model.layers.0.mlp",)
+    other = nn.Module()
+    other.mlp = nn.Linear(2, 2)
+    model.other = nn.Module()
+    model.other.layers = nn.ModuleList([other])
+    with pytest.raises(AFDConfigError, match="names 2 modules of the model"):
+        _built_names(model, [".layers.0.mlp"])

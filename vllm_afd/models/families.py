@@ -369,6 +369,16 @@ FAMILIES: tuple[Family, ...] = (
         gate_parts=("router_bias",),
     ),
     Family(
+        # Step-3 (text): MQA with low-rank queries, softmax top-k, a shared
+        # expert beside the MoE block in each MoE layer (built as the layer's
+        # dense MLP), the dense layers of the same class
+        name="step3_text",
+        module="step3_text",
+        archs=("Step3TextForCausalLM",),
+        dense_mlp="Step3TextMLP",
+        attention=("Step3TextAttention",),
+    ),
+    Family(
         # HY-V3 (Hunyuan 3): a first dense layer, a shared expert, sigmoid
         # scores with a bias the MoE block holds itself, routed scaling
         name="hy_v3",

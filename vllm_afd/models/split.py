@@ -73,6 +73,35 @@ def _parent(prefix: str) -> str:
     return prefix.rsplit(".", 1)[0]
 
 
+def _built_names(model: nn.Module, prefixes: list[str]) -> tuple[str, ...]:
+    """The names in ``model`` of the modules built under ``prefixes``.
+
+    A prefix is the name vLLM passed while building, which is the module's
+    name in the model unless the family builds its decoder under another
+    prefix than its attribute (Step-3 builds ``model`` under ``""``: its
+    layers' prefixes are ``.layers.N``, their modules ``model.layers.N``);
+    such a prefix names the one module whose name ends with it.
+
+    Raises:
+        AFDConfigError: no module, or several, end with such a prefix.
+    """
+    names = [n for n, _ in model.named_modules()]
+    built = []
+    for prefix in prefixes:
+        if prefix in names:
+            built.append(prefix)
+            continue
+        tail = "." + prefix.lstrip(".")
+        found = [n for n in names if n.endswith(tail)]
+        if len(found) != 1:
+            raise AFDConfigError(
+                f"a dense MLP was built under prefix {prefix!r}, which names "
+                f"{len(found)} modules of the model, not one: {found}"
+            )
+        built.append(found[0])
+    return tuple(built)
+
+
 def _uniform(values: dict[str, Any], what: str) -> Any:
     found = set(values.values())
     if len(found) != 1:
@@ -114,7 +143,8 @@ def derive_split(
         if getattr(model.get_submodule(h), family.gate, None) is not None
     ) + tuple(f"{h}.{part}" for h in holders for part in family.gate_parts)
     moe_layers = tuple(sorted(layer_index(b) for b in blocks))
-    dense_layers = tuple(sorted(layer_index(p) for p in recorded.dense_mlps))
+    dense_mlps = _built_names(model, recorded.dense_mlps)
+    dense_layers = tuple(sorted(layer_index(p) for p in dense_mlps))
     both = sorted(set(moe_layers) & set(dense_layers))
     if both and not afd.compute_gate_on_attention:
         raise AFDConfigError(
@@ -141,7 +171,7 @@ def derive_split(
         prefixes=SplitPrefixes(
             moe_blocks=blocks,
             gates=gates,
-            dense_mlps=tuple(recorded.dense_mlps),
+            dense_mlps=dense_mlps,
             routed_experts=tuple(runners),
         ),
     )

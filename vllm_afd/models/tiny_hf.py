@@ -402,6 +402,7 @@ GATE_ON_ATTENTION_ARCHS = (
     *(f.name for f in FAMILIES if f.layer_holds_moe),
     "granitemoeshared",
     "granitemoehybrid",
+    "step3_text",
 )
 #: families plain vLLM serves on CPU in another dtype than fp32 only: its CPU
 #: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN

@@ -1,5 +1,5 @@
 """Tiny random-weight checkpoints written tensor by tensor, in the names
-vLLM loads: families transformers has no classes for (Step-3.5), or whose
+vLLM loads: families transformers has no classes for (Step-3.5, Step-3), or whose
 transformers layout vLLM's module does not load (HY-V3); Mistral Large 3, in
 its release's names, is written by :mod:`vllm_afd.models.tiny_mistral`.
 
@@ -19,6 +19,20 @@ shared expert beside the routed ones, q/k norms, a per-head sigmoid gate on
 the attention output (``g_proj``), and sliding-window layers with their own
 head count (``attention_other_setting``) alternating with full ones. The
 SwiGLU clamp (``swiglu_limits``) is left out.
+
+**Step-3** (text). The config class is vLLM's own (``model_type:
+step3_text``); the routed experts are packed per layer as for Step-3.5 (no
+score bias), each MoE layer's shared expert lies beside the MoE block::
+
+    model.layers.N.moe.gate.weight           [E, H]      router
+    model.layers.N.moe.{gate,up}_proj.weight [E, I, H]   all routed experts
+    model.layers.N.moe.down_proj.weight      [E, H, I]
+    model.layers.N.share_expert.*            the shared expert, beside the block
+    model.layers.N.self_attn.{q_proj,k_proj,v_proj,inter_norm,wq,o_proj}.weight
+
+The tiny model keeps layer 0 dense (``moe_layers_enum``), softmax top-k not
+renormalised, one KV head and the queries' low-rank projection with its
+norm.
 
 **HY-V3** (Hunyuan 3). transformers' ``HYV3Config`` writes the layout, plus
 the keys vLLM's module reads that it does not write (``expert_hidden_dim``,
@@ -148,6 +162,81 @@ def step3p5_weight_specs(
     return specs
 
 
+def step3_text_config(
+    *,
+    num_layers: int,
+    vocab_size: int,
+    hidden_size: int,
+    dtype: str,
+    special_ids: dict[str, int],
+    max_positions: int,
+) -> dict[str, Any]:
+    """The ``config.json`` of a tiny Step-3 text model (layer 0 dense), in
+    the keys of vLLM's own ``Step3TextConfig``."""
+    return {
+        "architectures": ["Step3TextForCausalLM"],
+        "model_type": "step3_text",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": _HEADS,
+        "num_attention_groups": 1,
+        "head_dim": _HEAD_DIM,
+        # the queries' low-rank width, normed before their up-projection
+        "share_q_dim": 2 * _HEAD_DIM,
+        "max_position_embedding": max_positions,
+        "max_seq_len": max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "moe_layers_enum": ",".join(str(i) for i in range(1, num_layers)),
+        "moe_num_experts": _EXPERTS,
+        "moe_top_k": _TOP_K,
+        "moe_intermediate_size": hidden_size // 2,
+        "share_expert_dim": hidden_size // 2,
+        "norm_expert_weight": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        **special_ids,
+    }
+
+
+def step3_text_weight_specs(
+    config: dict[str, Any],
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
+    h, vocab, head_dim = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    q_dim, heads = config["share_q_dim"], config["num_attention_heads"]
+    moe_layers = {int(i) for i in config["moe_layers_enum"].split(",")}
+    experts, inter = config["moe_num_experts"], config["moe_intermediate_size"]
+    specs: dict[str, tuple[tuple[int, ...], str]] = {
+        "model.embed_tokens.weight": ((vocab, h), "embed"),
+        "model.norm.weight": ((h,), "norm"),
+        "lm_head.weight": ((vocab, h), "lm_head"),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        specs[f"{a}.q_proj.weight"] = ((q_dim, h), "linear")
+        specs[f"{a}.k_proj.weight"] = ((head_dim, h), "linear")
+        specs[f"{a}.v_proj.weight"] = ((head_dim, h), "linear")
+        specs[f"{a}.inter_norm.weight"] = ((q_dim,), "norm")
+        specs[f"{a}.wq.weight"] = ((heads * head_dim, q_dim), "linear")
+        specs[f"{a}.o_proj.weight"] = ((h, heads * head_dim), "linear")
+        specs[f"{p}.input_layernorm.weight"] = ((h,), "norm")
+        specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
+        if i not in moe_layers:
+            specs.update(mlp_specs(f"{p}.mlp", h, config["intermediate_size"]))
+            continue
+        m = f"{p}.moe"
+        specs[f"{m}.gate.weight"] = ((experts, h), "router")
+        specs[f"{m}.gate_proj.weight"] = ((experts, inter, h), "linear")
+        specs[f"{m}.up_proj.weight"] = ((experts, inter, h), "linear")
+        specs[f"{m}.down_proj.weight"] = ((experts, h, inter), "linear")
+        specs.update(mlp_specs(f"{p}.share_expert", h, config["share_expert_dim"]))
+    return specs
+
+
 def hy_v3_config(
     *,
     num_layers: int,
@@ -231,6 +320,7 @@ def hy_v3_weight_specs(
 #: family -> (config writer, weight specs) of the checkpoints written here
 OWN_WRITERS = {
     "step3p5": (step3p5_config, step3p5_weight_specs),
+    "step3_text": (step3_text_config, step3_text_weight_specs),
     "hy_v3": (hy_v3_config, hy_v3_weight_specs),
     "mistral_large_3": (mistral_large_3_config, mistral_large_3_weight_specs),
 }
