@@ -74,6 +74,8 @@ LAYOUTS = {
     # Step-3: MQA with low-rank queries; each MoE layer's shared expert beside
     # its MoE block, built as the layer's dense MLP
     "step3_text": ([1, 2], [0, 1, 2]),
+    # openPangu: MLA, a score bias stored on the block, scaled MoE output
+    "pangu_ultra_moe": ([1, 2], [0]),
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
@@ -100,14 +102,14 @@ EXPERTS = {
     "gemma4": 8, "mimo_v2": 8, "hy_v3": 8, "axk1": 16,
     "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
     "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16, "param2moe": 16,
-    "step3_text": 8,
+    "step3_text": 8, "pangu_ultra_moe": 16,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
     "axk1", "mistral_large_3", "bailing_moe", "bailing_moe_v2", "deepseek_moe",
-    "sarvam_moe", "sarvam_mla", "param2moe",
+    "sarvam_moe", "sarvam_mla", "param2moe", "pangu_ultra_moe",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -117,7 +119,7 @@ DTYPES = {"qwen3_next": "bfloat16"}
 #: (``auto_map``): every server loads them with ``--trust-remote-code``
 REMOTE_CODE = (
     "bailing_moe", "bailing_moe_v2", "deepseek_moe", "sarvam_moe", "sarvam_mla",
-    "param2moe",
+    "param2moe", "pangu_ultra_moe",
 )  # fmt: skip
 #: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
 BF16_ATOL = 1e-2
@@ -150,6 +152,7 @@ CASES = [
     ("sarvam_mla", 1, 1, True, "p2p"),
     ("param2moe", 1, 1, True, "p2p"),
     ("step3_text", 1, 1, True, "p2p"),
+    ("pangu_ultra_moe", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),

@@ -272,6 +272,30 @@ def test_a_family_loader_s_own_renames_decide_ownership(
         assert got is owner, (checkpoint, name, gate_on_attention)
 
 
+def test_pangu_s_score_bias_stored_on_the_block_goes_where_the_gate_runs():
+    """openPangu's checkpoints store the gate's score bias on the MoE block
+    (``mlp.e_score_correction_bias``); its loader renames it in its own code
+    (the record's ``checkpoint_renames``), so it is the gate's, not the
+    block's (which would send it to the FFN role whatever the placement)."""
+    from vllm_afd.models.families import family_of
+
+    family = family_of("PanguUltraMoEForCausalLM")
+    assert family is not None
+    prefixes = _prefixes("mlp", dense=True)
+    for checkpoint, owners in [
+        ("model.layers.1.mlp.e_score_correction_bias", (F, A)),
+        ("model.layers.1.mlp.gate.weight", (F, A)),
+        ("model.layers.1.mlp.experts.3.up_proj.weight", (F, F)),
+        ("model.layers.0.mlp.up_proj.weight", (F, A)),
+    ]:
+        name = vllm_weight_name(checkpoint, None, family.checkpoint_renames)
+        for gate_on_attention, owner in zip((False, True), owners, strict=True):
+            got = weight_owner(
+                name, prefixes, compute_gate_on_attention=gate_on_attention
+            )
+            assert got is owner, (checkpoint, name, gate_on_attention)
+
+
 def test_the_model_s_name_map_runs_first_and_a_dropped_name_stays():
     mapped = {"model.layers.1.mlp.router.weight": "model.layers.1.mlp.gate.weight"}
     assert (

@@ -49,7 +49,7 @@ def demo_vllm_args(arch: str) -> list[str]:
     CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next), with
     ``--trust-remote-code`` for a family whose config class is code in the
     checkpoint (``tiny_remote.REMOTE_FAMILIES``: Ling, Ling 2.0, DeepSeek-MoE,
-    Sarvam, Param2)."""
+    Sarvam, Param2, Pangu Ultra MoE)."""
     from vllm_afd.models.tiny_hf import CPU_DTYPES
     from vllm_afd.models.tiny_remote import REMOTE_FAMILIES
 

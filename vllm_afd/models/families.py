@@ -212,6 +212,25 @@ FAMILIES: tuple[Family, ...] = (
         attention=("Param2MoEAttention",),
     ),
     Family(
+        # openPangu Ultra MoE: MLA, sigmoid top-k with a score bias the gate
+        # holds (its checkpoints store it on the MoE block, its loader renames
+        # it in its own code), the routed scaling applied to the MoE output,
+        # shared experts and dense layers of one MLP class. Pro MoE V2 (the
+        # same classes, sink attention) has no record: plain vLLM fails on it
+        name="openpangu",
+        module="openpangu",
+        archs=("PanguUltraMoEForCausalLM",),
+        dense_mlp="OpenPanguMLP",
+        attention=(
+            "OpenPanguMLAAttention",
+            "OpenPanguEmbeddedAttention",
+            "OpenPanguSinkAttention",
+        ),
+        checkpoint_renames=(
+            (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+        ),
+    ),
+    Family(
         name="olmoe",
         module="olmoe",
         archs=("OlmoeForCausalLM",),

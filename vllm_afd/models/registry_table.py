@@ -81,6 +81,16 @@ TRIED: dict[str, str] = {
         "scores with a bias take the CPU router path plain vLLM fails on for "
         "MiniMax-M2, so it could be checked on a GPU only"
     ),
+    "PanguProMoEV2ForCausalLM": (
+        "plain vLLM cannot serve it on CPU: a tiny checkpoint with its sink "
+        "attention (`param_sink_number`) fails at start-up in vLLM's KV-cache "
+        "manager (`SinkFullAttentionManager.__init__() got an unexpected "
+        "keyword argument 'needs_kv_cache_zeroing'`), and with the attention's "
+        "q, k and v projections apart vLLM's loader fails before that (`This "
+        "line should not be reached`: it hands the merged projection shard ids "
+        "`q`, `k`, `v`); no record (the record `openpangu` serves Pangu Ultra "
+        "MoE, which vLLM builds with the same classes); not tried on a GPU"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"

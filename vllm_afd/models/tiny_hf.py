@@ -7,8 +7,8 @@ again, per tensor name, by :func:`vllm_afd.models.tiny_checkpoint.draw` with the
 same scales as the DeepSeek writer, so greedy decoding depends on the context and
 the routers spread tokens over the experts. Families whose releases ship their
 config class as code of their own (Ling, Ling 2.0, DeepSeek-MoE, Sarvam,
-Param2) are written by :mod:`vllm_afd.models.tiny_remote` through the same two
-calls.
+Param2, Pangu Ultra MoE) are written by :mod:`vllm_afd.models.tiny_remote`
+through the same two calls.
 
 Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 """

@@ -2,8 +2,8 @@
 class as code of their own (``auto_map``), which transformers does not have:
 Ling (``BailingMoeForCausalLM``), Ling 2.0 (``BailingMoeV2ForCausalLM``),
 DeepSeek-MoE (``DeepseekForCausalLM``, ``model_type: deepseek``), Sarvam-MoE
-(``SarvamMoEForCausalLM``), Sarvam-MLA (``SarvamMLAForCausalLM``) and Param2
-(``Param2MoEForCausalLM``).
+(``SarvamMoEForCausalLM``), Sarvam-MLA (``SarvamMLAForCausalLM``), Param2
+(``Param2MoEForCausalLM``) and Pangu Ultra MoE (``PanguUltraMoEForCausalLM``).
 
 Each checkpoint carries, as the releases do, a ``configuration_*.py`` that
 ``config.json``'s ``auto_map`` names (a plain ``PretrainedConfig`` holding
@@ -33,6 +33,11 @@ one tensor per routed expert::
     model.layers.N.mlp.gate.weight, mlp.gate.e_score_correction_bias
     model.layers.N.mlp.experts.E.*, mlp.shared_experts.*
 
+    Pangu Ultra MoE (vLLM's ``openpangu``: DeepSeek-V3's names)
+    model.layers.N.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,...}.weight
+    model.layers.N.{pre,post}_mlp_layernorm.weight     sandwich norms
+    model.layers.N.mlp.e_score_correction_bias          the gate's, on the block
+
 What the tiny models keep: Ling: every layer MoE, softmax top-k
 renormalised, two shared experts, the lm_head normalised on load
 (``norm_head``). Ling 2.0: layer 0 dense, q/k RMS norms, partial rotary,
@@ -44,7 +49,9 @@ directly and ``head_dim`` the latent cache's width (as the release's config
 class sets it: vLLM sizes the cache by it), sigmoid grouped top-k with a
 score bias (which vLLM's loader shifts to zero mean), routed scaling, a
 shared expert, an fp32 router. Param2: Ling 2.0's, its score bias shifted
-to zero mean by vLLM's loader.
+to zero mean by vLLM's loader. Pangu Ultra MoE: layer 0 dense, MLA with a
+query latent, sigmoid top-k with a score bias, the routed scaling applied to
+the MoE output, a shared expert, norms before and after each MLP.
 
 Used by :mod:`vllm_afd.models.tiny_hf` (``hf_config`` / ``write_hf_weights``).
 """
@@ -164,6 +171,33 @@ REMOTE_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
             rope_scaling=None,
         ),
     ),
+    # Pangu Ultra MoE (openPangu): DeepSeek-V3's layout in a module of its own:
+    # MLA with a query latent, a first dense layer, sigmoid top-k with a
+    # score bias the checkpoint stores on the MoE block, the routed scaling
+    # applied to the MoE output, shared experts, norms around each MLP
+    # (``sandwich_norm``)
+    "pangu_ultra_moe": (
+        "pangu_ultra_moe",
+        "PanguUltraMoEForCausalLM",
+        "PanguUltraMoEConfig",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            router_enable_expert_bias=True,
+            routed_scaling_factor=2.5,
+            sandwich_norm=True,
+            num_nextn_predict_layers=0,
+            # vLLM's CPU MLA takes kv_lora_rank + qk_rope_head_dim = 576 only
+            kv_lora_rank=512,
+            q_lora_rank=64,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+        ),
+    ),
     # Sarvam-MLA: DeepSeek-V3's layout in a module of its own: MLA, a first
     # dense layer, sigmoid grouped top-k with a score bias that vLLM's loader
     # shifts to zero mean, routed scaling, a shared expert, an fp32 router
@@ -259,7 +293,7 @@ def remote_config(
     if model_type == "deepseek":
         # multi-head attention of hidden / heads wide heads
         values.update(num_key_value_heads=_HEADS, attention_bias=False)
-    elif _mla(values):
+    elif model_type == "sarvam_mla":
         # the release's config class sets head_dim to the latent cache's
         # width, which vLLM sizes the cache by (it takes ``sarvam_mla`` for
         # no MLA model type of its own)
@@ -268,6 +302,8 @@ def remote_config(
             head_dim=values["kv_lora_rank"] + values["qk_rope_head_dim"],
             embedding_dropout=0.0,
         )
+    elif _mla(values):
+        values.update(num_key_value_heads=_HEADS, attention_bias=False)
     else:
         values.update(
             num_key_value_heads=_KV_HEADS,
@@ -280,17 +316,27 @@ def remote_config(
 
 
 def _mla(values: dict[str, Any]) -> bool:
-    """Whether the family's attention is multi-head latent (Sarvam-MLA)."""
+    """Whether the family's attention is multi-head latent (Sarvam-MLA,
+    Pangu Ultra MoE)."""
     return "kv_lora_rank" in values
 
 
 def _mla_specs(a: str, c: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The MLA projections and norms under ``a`` (DeepSeek-V3's names)."""
-    h, heads = c["hidden_size"], c["num_attention_heads"]
+    """The MLA projections and norms under ``a`` (DeepSeek-V3's names): the
+    queries projected directly, or through a latent of ``q_lora_rank``."""
+    h, heads, q_rank = c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     kv_rank = c["kv_lora_rank"]
+    if q_rank is None:
+        queries = {f"{a}.q_proj.weight": ((heads * (nope + rope), h), "linear")}
+    else:
+        queries = {
+            f"{a}.q_a_proj.weight": ((q_rank, h), "linear"),
+            f"{a}.q_a_layernorm.weight": ((q_rank,), "norm"),
+            f"{a}.q_b_proj.weight": ((heads * (nope + rope), q_rank), "linear"),
+        }
     return {
-        f"{a}.q_proj.weight": ((heads * (nope + rope), h), "linear"),
+        **queries,
         f"{a}.kv_a_proj_with_mqa.weight": ((kv_rank + rope, h), "linear"),
         f"{a}.kv_a_layernorm.weight": ((kv_rank,), "norm"),
         f"{a}.kv_b_proj.weight": ((heads * (nope + v), kv_rank), "linear"),
@@ -306,13 +352,20 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
     h, vocab = c["hidden_size"], c["vocab_size"]
     deepseek = c["model_type"] == "deepseek"
     mla = _mla(c)
-    experts = c["n_routed_experts" if deepseek else "num_experts"]
-    shared = c["n_shared_experts" if deepseek else "num_shared_experts"]
+    experts = c.get("n_routed_experts", c.get("num_experts"))
+    shared = c.get("n_shared_experts", c.get("num_shared_experts"))
     inter = c["moe_intermediate_size"]
     own_names = deepseek or mla  # DeepSeek's names, not Ling's
     embed = "model.embed_tokens.weight" if own_names else "model.word_embeddings.weight"
-    # the gate's score bias: Ling's name, or DeepSeek-V3's (Sarvam-MLA)
-    bias = "e_score_correction_bias" if mla else "expert_bias"
+    # the score bias: held by the gate in Ling's name or DeepSeek-V3's
+    # (Sarvam-MLA); Pangu's checkpoints store it on the MoE block
+    bias = {
+        "pangu_ultra_moe": "e_score_correction_bias",
+        "sarvam_mla": "gate.e_score_correction_bias",
+    }.get(c["model_type"], "gate.expert_bias")
+    has_bias = c.get("moe_router_enable_expert_bias") or c.get(
+        "router_enable_expert_bias"
+    )
     specs: dict[str, tuple[tuple[int, ...], str]] = {
         embed: ((vocab, h), "embed"),
         "model.norm.weight": ((h,), "norm"),
@@ -322,6 +375,9 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
         p = f"model.layers.{i}"
         specs[f"{p}.input_layernorm.weight"] = ((h,), "norm")
         specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
+        if c.get("sandwich_norm"):
+            specs[f"{p}.pre_mlp_layernorm.weight"] = ((h,), "norm")
+            specs[f"{p}.post_mlp_layernorm.weight"] = ((h,), "norm")
         if deepseek:
             a = f"{p}.self_attn"
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -341,8 +397,8 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
             specs.update(mlp_specs(m, h, c["intermediate_size"]))
             continue
         specs[f"{m}.gate.weight"] = ((experts, h), "router")
-        if c.get("moe_router_enable_expert_bias"):
-            specs[f"{m}.gate.{bias}"] = ((experts,), "bias")
+        if has_bias:
+            specs[f"{m}.{bias}"] = ((experts,), "bias")
         for e in range(experts):
             specs.update(mlp_specs(f"{m}.experts.{e}", h, inter))
         specs.update(mlp_specs(f"{m}.shared_experts", h, inter * shared))
