@@ -91,6 +91,18 @@ TRIED: dict[str, str] = {
         "`q`, `k`, `v`); no record (the record `openpangu` serves Pangu Ultra "
         "MoE, which vLLM builds with the same classes); not tried on a GPU"
     ),
+    "BailingMoeV3ForCausalLM": (
+        "plain vLLM cannot serve it on CPU: a tiny config of its layout (MLA "
+        "layers among Kimi Delta Attention layers by `layer_group_size`, "
+        "model type `bailing_hybrid`) fails at start-up with "
+        "`--mamba-block-size can only be set with --enable-prefix-caching` "
+        "(vLLM aligns the KDA state's cache to prefix caching, then turns "
+        "prefix caching off for MLA on CPU), and with "
+        "`--no-enable-prefix-caching` with `Aligned KV cache block size 128 "
+        "is not supported by attention backend(s): CPU_MLA` (vLLM's CPU MLA "
+        "takes 16-token blocks only); its KDA layers run Triton kernels, "
+        "which the CPU install lacks; no record; not tried on a GPU"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
