@@ -103,6 +103,17 @@ TRIED: dict[str, str] = {
         "takes 16-token blocks only); its KDA layers run Triton kernels, "
         "which the CPU install lacks; no record; not tried on a GPU"
     ),
+    "LongcatFlashNgramForCausalLM": (
+        "plain vLLM cannot serve it on CPU: its module builds only under "
+        "vLLM's model runner V2 (its n-gram embedding keeps each request's "
+        "token history there), which needs Triton, which the CPU install "
+        "lacks: a tiny config fails at start-up with `NotImplementedError: "
+        "LongcatFlashNgramForCausalLM (LongCat-Flash-Lite) requires the V2 "
+        "model runner for its n-gram embedding state` (vLLM falls back to the "
+        "V1 runner), and with `VLLM_USE_V2_MODEL_RUNNER=1` with `Model Runner "
+        "V2 requires Triton.`; LongCat-Flash itself has no record (above); "
+        "not tried on a GPU"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
