@@ -114,6 +114,17 @@ TRIED: dict[str, str] = {
         "V2 requires Triton.`; LongCat-Flash itself has no record (above); "
         "not tried on a GPU"
     ),
+    "K2HorizonForCausalLM": (
+        "plain vLLM cannot serve it on CPU: the attention of its MoE layers "
+        "routes its value projection over experts (MoVA, `mova_num_experts`) "
+        "through vLLM's Triton fused-MoE kernel "
+        "(`dispatch_fused_moe_kernel`), which the CPU install lacks; a tiny "
+        "config fails at its first forward before that, in `fused_mova_impl` "
+        "(`IndexError: Dimension out of range (expected to be in range of "
+        "[-2, 1], but got 2)`: the stacked value-expert weights are not 3-D "
+        "on CPU); no record (a checkpoint without MoVA not tried); not tried "
+        "on a GPU"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
