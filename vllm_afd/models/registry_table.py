@@ -125,6 +125,15 @@ TRIED: dict[str, str] = {
         "on CPU); no record (a checkpoint without MoVA not tried); not tried "
         "on a GPU"
     ),
+    "NemotronHPuzzleForCausalLM": (
+        "plain vLLM cannot serve it on CPU: vLLM builds it with Nemotron-H's "
+        "class, whose routed experts are not gated (ReLU squared), and a tiny "
+        "config (Mamba-2, MoE and attention layers, transformers' "
+        "`NemotronHConfig`) stops while building its first MoE layer "
+        "(`NotImplementedError: is_act_and_mul=False is supported only for "
+        "CUDA, XPU and ROCm for now`); the split refuses Nemotron-H's latent "
+        "MoE (`NemotronHForCausalLM`, above); no record; not tried on a GPU"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
