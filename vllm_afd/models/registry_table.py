@@ -134,6 +134,18 @@ TRIED: dict[str, str] = {
         "CUDA, XPU and ROCm for now`); the split refuses Nemotron-H's latent "
         "MoE (`NemotronHForCausalLM`, above); no record; not tried on a GPU"
     ),
+    "BailingMoeV2_5ForCausalLM": (
+        "plain vLLM cannot serve it on CPU: a tiny config of its layout (MLA "
+        "layers among linear-attention layers by `layer_group_size`, model "
+        "type `bailing_hybrid`) fails at start-up with `--mamba-block-size "
+        "can only be set with --enable-prefix-caching` (vLLM aligns the "
+        "linear attention's state cache to prefix caching, then turns prefix "
+        "caching off for MLA on CPU), and with `--no-enable-prefix-caching` "
+        "with `Aligned KV cache block size 128 is not supported by attention "
+        "backend(s): CPU_MLA` (vLLM's CPU MLA takes 16-token blocks only); "
+        "its linear attention's decode kernel is a Triton kernel, which the "
+        "CPU install lacks; no record; not tried on a GPU"
+    ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
         "vLLM's MoE runner; refused while building (docs/models.md, Errors)"
