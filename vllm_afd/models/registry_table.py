@@ -114,17 +114,6 @@ TRIED: dict[str, str] = {
         "V2 requires Triton.`; LongCat-Flash itself has no record (above); "
         "not tried on a GPU"
     ),
-    "K2HorizonForCausalLM": (
-        "plain vLLM cannot serve it on CPU: the attention of its MoE layers "
-        "routes its value projection over experts (MoVA, `mova_num_experts`) "
-        "through vLLM's Triton fused-MoE kernel "
-        "(`dispatch_fused_moe_kernel`), which the CPU install lacks; a tiny "
-        "config fails at its first forward before that, in `fused_mova_impl` "
-        "(`IndexError: Dimension out of range (expected to be in range of "
-        "[-2, 1], but got 2)`: the stacked value-expert weights are not 3-D "
-        "on CPU); no record (a checkpoint without MoVA not tried); not tried "
-        "on a GPU"
-    ),
     "NemotronHPuzzleForCausalLM": (
         "plain vLLM cannot serve it on CPU: vLLM builds it with Nemotron-H's "
         "class, whose routed experts are not gated (ReLU squared), and a tiny "
@@ -145,6 +134,19 @@ TRIED: dict[str, str] = {
         "backend(s): CPU_MLA` (vLLM's CPU MLA takes 16-token blocks only); "
         "its linear attention's decode kernel is a Triton kernel, which the "
         "CPU install lacks; no record; not tried on a GPU"
+    ),
+    "K2HorizonForCausalLM": (
+        "plain vLLM cannot serve it on CPU: the attention of its MoE layers "
+        "routes its value projection over experts (MoVA, `mova_num_experts`) "
+        "through vLLM's Triton fused-MoE kernel "
+        "(`dispatch_fused_moe_kernel`), which the CPU install lacks; a tiny "
+        "config fails at its first forward before that, in `fused_mova_impl` "
+        "(`IndexError: Dimension out of range (expected to be in range of "
+        "[-2, 1], but got 2)`: the stacked value-expert weights are not 3-D "
+        "on CPU); without MoVA, plain vLLM's CPU router fails on its sigmoid "
+        'scores with a gate bias (`assert self.scoring_func == "softmax"`) '
+        "and serves a tiny config routed by softmax without a bias; no record "
+        "yet; not tried on a GPU"
     ),
     "NemotronHForCausalLM": (
         "latent MoE: projections into and out of the latent width run inside "
