@@ -327,6 +327,7 @@ def _mla_specs(a: str, c: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], st
     h, heads, q_rank = c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     kv_rank = c["kv_lora_rank"]
+    queries: dict[str, tuple[tuple[int, ...], str]]
     if q_rank is None:
         queries = {f"{a}.q_proj.weight": ((heads * (nope + rope), h), "linear")}
     else:
@@ -352,8 +353,10 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
     h, vocab = c["hidden_size"], c["vocab_size"]
     deepseek = c["model_type"] == "deepseek"
     mla = _mla(c)
-    experts = c.get("n_routed_experts", c.get("num_experts"))
-    shared = c.get("n_shared_experts", c.get("num_shared_experts"))
+    experts: int = c["n_routed_experts" if "n_routed_experts" in c else "num_experts"]
+    shared: int = c[
+        "n_shared_experts" if "n_shared_experts" in c else "num_shared_experts"
+    ]
     inter = c["moe_intermediate_size"]
     own_names = deepseek or mla  # DeepSeek's names, not Ling's
     embed = "model.embed_tokens.weight" if own_names else "model.word_embeddings.weight"
