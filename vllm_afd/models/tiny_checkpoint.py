@@ -34,7 +34,7 @@ from vllm_afd.models.tiny_hf import (
     hf_config,
     write_hf_weights,
 )
-from vllm_afd.models.tiny_own import OWN_WRITERS, mlp_specs
+from vllm_afd.models.tiny_own import OWN_WRITERS, mla_specs, mlp_specs
 
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
 #: families written tensor by tensor in vLLM's names (``tiny_own``)
@@ -354,10 +354,6 @@ def _random_weights(
 def _weight_specs(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Map checkpoint tensor name -> (shape, init kind)."""
     h = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-    v_dim, kv_rank = config["v_head_dim"], config["kv_lora_rank"]
-    q_rank = config["q_lora_rank"]
     experts = config["n_routed_experts"]
 
     specs: dict[str, tuple[tuple[int, ...], str]] = {
@@ -369,17 +365,7 @@ def _weight_specs(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], st
         p = f"model.layers.{i}"
         specs[f"{p}.input_layernorm.weight"] = ((h,), "norm")
         specs[f"{p}.post_attention_layernorm.weight"] = ((h,), "norm")
-        a = f"{p}.self_attn"
-        if q_rank is None:
-            specs[f"{a}.q_proj.weight"] = ((heads * (nope + rope), h), "linear")
-        else:
-            specs[f"{a}.q_a_proj.weight"] = ((q_rank, h), "linear")
-            specs[f"{a}.q_a_layernorm.weight"] = ((q_rank,), "norm")
-            specs[f"{a}.q_b_proj.weight"] = ((heads * (nope + rope), q_rank), "linear")
-        specs[f"{a}.kv_a_proj_with_mqa.weight"] = ((kv_rank + rope, h), "linear")
-        specs[f"{a}.kv_a_layernorm.weight"] = ((kv_rank,), "norm")
-        specs[f"{a}.kv_b_proj.weight"] = ((heads * (nope + v_dim), kv_rank), "linear")
-        specs[f"{a}.o_proj.weight"] = ((h, heads * v_dim), "linear")
+        specs.update(mla_specs(f"{p}.self_attn", config))
         m = f"{p}.mlp"
         if i < config["first_k_dense_replace"]:
             specs.update(mlp_specs(m, h, config["intermediate_size"]))

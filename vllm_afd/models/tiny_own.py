@@ -336,3 +336,34 @@ def mlp_specs(
         f"{prefix}.up_proj.weight": ((inter, hidden), "linear"),
         f"{prefix}.down_proj.weight": ((hidden, inter), "linear"),
     }
+
+
+def mla_specs(
+    prefix: str, config: dict[str, Any]
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The multi-head latent attention under ``prefix`` in DeepSeek-V3's
+    names: the queries projected directly (``q_lora_rank`` None) or through
+    a latent of ``q_lora_rank``, the KV latent with its norm, the output."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    v, kv_rank, q_rank = (
+        config["v_head_dim"],
+        config["kv_lora_rank"],
+        config["q_lora_rank"],
+    )
+    queries: dict[str, tuple[tuple[int, ...], str]]
+    if q_rank is None:
+        queries = {f"{prefix}.q_proj.weight": ((heads * (nope + rope), h), "linear")}
+    else:
+        queries = {
+            f"{prefix}.q_a_proj.weight": ((q_rank, h), "linear"),
+            f"{prefix}.q_a_layernorm.weight": ((q_rank,), "norm"),
+            f"{prefix}.q_b_proj.weight": ((heads * (nope + rope), q_rank), "linear"),
+        }
+    return {
+        **queries,
+        f"{prefix}.kv_a_proj_with_mqa.weight": ((kv_rank + rope, h), "linear"),
+        f"{prefix}.kv_a_layernorm.weight": ((kv_rank,), "norm"),
+        f"{prefix}.kv_b_proj.weight": ((heads * (nope + v), kv_rank), "linear"),
+        f"{prefix}.o_proj.weight": ((h, heads * v), "linear"),
+    }

@@ -321,33 +321,9 @@ def _mla(values: dict[str, Any]) -> bool:
     return "kv_lora_rank" in values
 
 
-def _mla_specs(a: str, c: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The MLA projections and norms under ``a`` (DeepSeek-V3's names): the
-    queries projected directly, or through a latent of ``q_lora_rank``."""
-    h, heads, q_rank = c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"]
-    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    kv_rank = c["kv_lora_rank"]
-    queries: dict[str, tuple[tuple[int, ...], str]]
-    if q_rank is None:
-        queries = {f"{a}.q_proj.weight": ((heads * (nope + rope), h), "linear")}
-    else:
-        queries = {
-            f"{a}.q_a_proj.weight": ((q_rank, h), "linear"),
-            f"{a}.q_a_layernorm.weight": ((q_rank,), "norm"),
-            f"{a}.q_b_proj.weight": ((heads * (nope + rope), q_rank), "linear"),
-        }
-    return {
-        **queries,
-        f"{a}.kv_a_proj_with_mqa.weight": ((kv_rank + rope, h), "linear"),
-        f"{a}.kv_a_layernorm.weight": ((kv_rank,), "norm"),
-        f"{a}.kv_b_proj.weight": ((heads * (nope + v), kv_rank), "linear"),
-        f"{a}.o_proj.weight": ((h, heads * v), "linear"),
-    }
-
-
 def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
-    from vllm_afd.models.tiny_own import mlp_specs
+    from vllm_afd.models.tiny_own import mla_specs, mlp_specs
 
     c = config.values
     h, vocab = c["hidden_size"], c["vocab_size"]
@@ -386,7 +362,7 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 specs[f"{a}.{proj}.weight"] = ((h, h), "linear")
         elif mla:
-            specs.update(_mla_specs(f"{p}.self_attn", c))
+            specs.update(mla_specs(f"{p}.self_attn", c))
         else:
             a = f"{p}.attention"
             q, kv = _HEADS * _HEAD_DIM, _KV_HEADS * _HEAD_DIM
