@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,7 @@ class ForkServers:
             for old in idle[: max(0, len(self._servers) + 1 - KEEP)]:
                 self._stop(self._servers.pop(old))
             n = self.started
+            self._dir.mkdir(mode=0o700, exist_ok=True)  # again after close()
             path = str(self._dir / f"s{n}.sock")
             log = self._dir / f"s{n}.log"
             with log.open("ab") as out:
@@ -208,10 +210,12 @@ class ForkServers:
         return child
 
     def close(self) -> None:
+        """Stop every fork server and remove their sockets and logs."""
         with self._lock:
             for server in self._servers.values():
                 self._stop(server)
             self._servers.clear()
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 SERVERS = ForkServers()

@@ -41,7 +41,11 @@ ROLE_DEVICES = {"attention_devices": "0", "ffn_devices": "1"}
 
 
 #: both roles on GPU 0 (cuda_ipc data plane, MPS): each with a fixed KV cache,
-#: so that neither profiles the memory the other takes
+#: so that neither profiles the memory the other takes. vLLM still checks at
+#: start-up that ``--gpu-memory-utilization`` of the GPU is free (0.9 by
+#: default): 0.1 lets a server start beside the others of its test and of
+#: tests run in parallel (``run_gpu_tests.sh --parallel``); with a KV cache
+#: size given, the check is all it changes.
 ONE_GPU = {"attention_devices": "0", "ffn_devices": "0"}
 ONE_GPU_ARGS = [
     "--dtype",
@@ -49,6 +53,8 @@ ONE_GPU_ARGS = [
     "--enforce-eager",
     "--kv-cache-memory-bytes",
     "2000000000",
+    "--gpu-memory-utilization",
+    "0.1",
 ]
 
 

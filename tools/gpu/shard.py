@@ -25,6 +25,7 @@ SECONDS = {
     # 1000 graph replays per attention rank (about 6 s each on one H100)
     "tests/connector/test_cuda_ipc.py::test_cuda_ipc_attention_ranks_sharing": 15.0,
     "tests/gpu/test_cuda_workers.py": 5.0,
+    "tests/gpu/test_compute_clock_gpu.py": 10.0,
     "tests/gpu/test_async_gpu.py::test_async_refuses": 5.0,
     "tests/gpu/test_overlap_report_gpu.py": 60.0,
     "tests/gpu/": 100.0,
