@@ -49,7 +49,7 @@ from harness import (
 )
 
 from vllm_afd.cli.bench_ttft import afd_counters, breakdown
-from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS
+from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS, TEXT_ONLY_ARGS
 
 pytestmark = pytest.mark.e2e
 
@@ -76,6 +76,8 @@ LAYOUTS = {
     "step3_text": ([1, 2], [0, 1, 2]),
     # openPangu: MLA, a score bias stored on the block, scaled MoE output
     "pangu_ultra_moe": ([1, 2], [0]),
+    # openPangu Embedded: grouped-query attention with biases, Ultra's block
+    "pangu_embedded": ([1, 2], [0]),
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
@@ -91,6 +93,8 @@ LAYOUTS = {
     "gemma4": ([0, 1, 2], [0, 1, 2]),
     "mimo_v2": ([1, 2], [0]),  # sliding layers with sinks; bias on the gate
     "hy_v3": ([1, 2], [0]),  # shared expert, score bias held by the block
+    # Aria's text model: a router weight held by the block, fused experts
+    "aria": ([0, 1, 2], []),
 }
 
 #: each family's routed experts (``vllm-afd tiny-model``)
@@ -102,14 +106,15 @@ EXPERTS = {
     "gemma4": 8, "mimo_v2": 8, "hy_v3": 8, "axk1": 16,
     "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
     "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16, "param2moe": 16,
-    "step3_text": 8, "pangu_ultra_moe": 16,
+    "step3_text": 8, "pangu_ultra_moe": 16, "pangu_embedded": 8, "aria": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
     "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
     "axk1", "mistral_large_3", "bailing_moe", "bailing_moe_v2", "deepseek_moe",
-    "sarvam_moe", "sarvam_mla", "param2moe", "pangu_ultra_moe",
+    "sarvam_moe", "sarvam_mla", "param2moe", "pangu_ultra_moe", "pangu_embedded",
+    "aria",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -119,7 +124,7 @@ DTYPES = {"qwen3_next": "bfloat16"}
 #: (``auto_map``): every server loads them with ``--trust-remote-code``
 REMOTE_CODE = (
     "bailing_moe", "bailing_moe_v2", "deepseek_moe", "sarvam_moe", "sarvam_mla",
-    "param2moe", "pangu_ultra_moe",
+    "param2moe", "pangu_ultra_moe", "pangu_embedded",
 )  # fmt: skip
 #: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
 BF16_ATOL = 1e-2
@@ -153,6 +158,7 @@ CASES = [
     ("param2moe", 1, 1, True, "p2p"),
     ("step3_text", 1, 1, True, "p2p"),
     ("pangu_ultra_moe", 1, 1, True, "p2p"),
+    ("pangu_embedded", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),
@@ -168,6 +174,7 @@ CASES = [
     ("gemma4", 1, 1, True, "p2p"),
     ("mimo_v2", 1, 1, True, "p2p"),
     ("hy_v3", 1, 1, True, "p2p"),
+    ("aria", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     # expert biases cut with the weights; its loader handed each all-expert
     # tensor's rows of the rank's slice (``Family.whole_expert_tensors``)
@@ -334,9 +341,10 @@ def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector:
     staged = {"ubatches": 2, "attention_args": STAGE_ARGS} if "stages" in flags else {}
     options = {"payload": "shared"} if "shared" in flags else {}
     remote = ["--trust-remote-code"] if Path(model).name in REMOTE_CODE else []
+    text_only = TEXT_ONLY_ARGS.get(Path(model).name, [])
     return make_spec(
         model,
-        ["--dtype", dtype, "--enforce-eager", *remote],
+        ["--dtype", dtype, "--enforce-eager", *remote, *text_only],
         attention_ranks=ranks,
         ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,

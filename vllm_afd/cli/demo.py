@@ -49,14 +49,16 @@ def demo_vllm_args(arch: str) -> list[str]:
     CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next), with
     ``--trust-remote-code`` for a family whose config class is code in the
     checkpoint (``tiny_remote.REMOTE_FAMILIES``: Ling, Ling 2.0, DeepSeek-MoE,
-    Sarvam, Param2, Pangu Ultra MoE)."""
-    from vllm_afd.models.tiny_hf import CPU_DTYPES
+    Sarvam, Param2, openPangu), and a multimodal family's tiny model served as
+    a text model (``tiny_hf.TEXT_ONLY_ARGS``: Aria)."""
+    from vllm_afd.models.tiny_hf import CPU_DTYPES, TEXT_ONLY_ARGS
     from vllm_afd.models.tiny_remote import REMOTE_FAMILIES
 
     args = list(DEMO_VLLM_ARGS)
     args[args.index("--dtype") + 1] = CPU_DTYPES.get(arch, "float32")
     if arch in REMOTE_FAMILIES:
         args.append("--trust-remote-code")
+    args += TEXT_ONLY_ARGS.get(arch, [])
     return args
 
 

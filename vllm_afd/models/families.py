@@ -215,11 +215,13 @@ FAMILIES: tuple[Family, ...] = (
         # openPangu Ultra MoE: MLA, sigmoid top-k with a score bias the gate
         # holds (its checkpoints store it on the MoE block, its loader renames
         # it in its own code), the routed scaling applied to the MoE output,
-        # shared experts and dense layers of one MLP class. Pro MoE V2 (the
-        # same classes, sink attention) has no record: plain vLLM fails on it
+        # shared experts and dense layers of one MLP class. openPangu
+        # Embedded: grouped-query attention, the same MoE block where its
+        # config has routed experts. Pro MoE V2 (the same classes, sink
+        # attention) has no record: plain vLLM fails on it
         name="openpangu",
         module="openpangu",
-        archs=("PanguUltraMoEForCausalLM",),
+        archs=("PanguUltraMoEForCausalLM", "PanguEmbeddedForCausalLM"),
         dense_mlp="OpenPanguMLP",
         attention=(
             "OpenPanguMLAAttention",
@@ -283,6 +285,21 @@ FAMILIES: tuple[Family, ...] = (
         attention=("Llama4Attention",),
         gate="router",
         # the model, its embedding, final norm and lm_head come from Llama's
+        moe_modules=(("llama", None),),
+    ),
+    Family(
+        # Aria (multimodal; its text model served): Llama's decoder with an
+        # MoE block in every layer, whose router weight the block holds as a
+        # parameter (no gate module) and applies before the runner; shared
+        # experts (Llama's MLP) passed into vLLM's MoE layer
+        name="aria",
+        module="aria",
+        archs=("AriaForConditionalGeneration",),
+        dense_mlp="LlamaMLP",
+        # the vision tower and projector: the attention role's
+        attention=("AriaVisionTransformer", "AriaProjector"),
+        gate="router_weight",
+        # the decoder, its attention, embedding and final norm are Llama's
         moe_modules=(("llama", None),),
     ),
     Family(

@@ -7,8 +7,10 @@ again, per tensor name, by :func:`vllm_afd.models.tiny_checkpoint.draw` with the
 same scales as the DeepSeek writer, so greedy decoding depends on the context and
 the routers spread tokens over the experts. Families whose releases ship their
 config class as code of their own (Ling, Ling 2.0, DeepSeek-MoE, Sarvam,
-Param2, Pangu Ultra MoE) are written by :mod:`vllm_afd.models.tiny_remote`
-through the same two calls.
+Param2, openPangu) are written by :mod:`vllm_afd.models.tiny_remote` through
+the same two calls. Aria's checkpoint is its whole multimodal model (a tiny
+vision tower and projector around the tiny text model), served as a text
+model (:data:`TEXT_ONLY_ARGS`).
 
 Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 """
@@ -332,6 +334,20 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             position_embedding_type="rope",
         ),
     ),
+    # Aria (its text model; the checkpoint is the whole multimodal model,
+    # with a one-layer vision tower and projector): Llama's attention, every
+    # layer MoE, a router weight the block holds itself (no gate module),
+    # softmax top-k, shared experts passed into vLLM's MoE layer, the
+    # experts stored fused and transposed (``experts.fc1``, ``experts.fc2``).
+    "aria": (
+        "AriaTextConfig",
+        dict(
+            moe_num_experts=8,
+            moe_topk=2,
+            moe_num_shared_experts=2,
+            head_dim=32,
+        ),
+    ),
     # LFM2-MoE: short convolutions and attention layers mixed (conv state on
     # the attention side), a dense first layer, sigmoid top-k with an expert
     # bias on the gate.
@@ -352,7 +368,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 #: layers): it is the tiny models' expert width
 _EXPERT_WIDE = (
     "mixtral", "olmoe", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss",
-    "cohere2_moe", "granitemoehybrid",
+    "cohere2_moe", "granitemoehybrid", "aria",
 )  # fmt: skip
 
 # families whose releases ship their config class as code of their own: the
@@ -408,6 +424,12 @@ GATE_ON_ATTENTION_ARCHS = (
 #: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN
 #: attention requires BF16"
 CPU_DTYPES = {"qwen3_next": "bfloat16"}
+#: vLLM arguments every server of a multimodal tiny family takes: its tiny
+#: checkpoint has no image processor, so it is served as a text model (vLLM
+#: then builds no vision tower and projector)
+TEXT_ONLY_ARGS: dict[str, list[str]] = {
+    "aria": ["--limit-mm-per-prompt", '{"image": 0}'],
+}
 
 
 def hf_config(
@@ -513,6 +535,8 @@ def hf_config(
         ]
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
     config = config_cls(**kwargs)
+    if arch == "aria":
+        return _aria_config(config, special_ids["pad_token_id"])
     config.architectures = [
         type(config)
         .__name__.replace("TextConfig", "Config")
@@ -520,6 +544,31 @@ def hf_config(
     ]
     if arch == "mimo_v2":
         _mimo_v2_release_keys(config)
+    return config
+
+
+def _aria_config(text: Any, image_token_index: int) -> Any:
+    """Aria's whole config around the tiny text model: a one-layer vision
+    tower of 7x7 patches and a projector to 16 queries (the checkpoint holds
+    them; served as a text model, vLLM builds neither)."""
+    import transformers
+
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=98,
+        patch_size=14,
+    )
+    config = transformers.AriaConfig(
+        text_config=text,
+        vision_config=vision,
+        projector_patch_to_query_dict={(98 // 14) ** 2: 16},
+        image_token_index=image_token_index,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["AriaForConditionalGeneration"]
     return config
 
 
@@ -559,7 +608,12 @@ def write_hf_weights(
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if config.model_type == "aria"
+        else transformers.AutoModelForCausalLM
+    )
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             tensor.copy_(draw(seed, name, tuple(tensor.shape), _kind(name)))

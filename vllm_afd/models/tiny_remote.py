@@ -3,7 +3,8 @@ class as code of their own (``auto_map``), which transformers does not have:
 Ling (``BailingMoeForCausalLM``), Ling 2.0 (``BailingMoeV2ForCausalLM``),
 DeepSeek-MoE (``DeepseekForCausalLM``, ``model_type: deepseek``), Sarvam-MoE
 (``SarvamMoEForCausalLM``), Sarvam-MLA (``SarvamMLAForCausalLM``), Param2
-(``Param2MoEForCausalLM``) and Pangu Ultra MoE (``PanguUltraMoEForCausalLM``).
+(``Param2MoEForCausalLM``), Pangu Ultra MoE (``PanguUltraMoEForCausalLM``) and
+openPangu Embedded with MoE layers (``PanguEmbeddedForCausalLM``).
 
 Each checkpoint carries, as the releases do, a ``configuration_*.py`` that
 ``config.json``'s ``auto_map`` names (a plain ``PretrainedConfig`` holding
@@ -38,6 +39,9 @@ one tensor per routed expert::
     model.layers.N.{pre,post}_mlp_layernorm.weight     sandwich norms
     model.layers.N.mlp.e_score_correction_bias          the gate's, on the block
 
+    openPangu Embedded (vLLM's ``openpangu``): Pangu Ultra MoE's MLP names
+    model.layers.N.self_attn.{q,k,v,o}_proj.{weight,bias}  grouped-query
+
 What the tiny models keep: Ling: every layer MoE, softmax top-k
 renormalised, two shared experts, the lm_head normalised on load
 (``norm_head``). Ling 2.0: layer 0 dense, q/k RMS norms, partial rotary,
@@ -52,6 +56,10 @@ shared expert, an fp32 router. Param2: Ling 2.0's, its score bias shifted
 to zero mean by vLLM's loader. Pangu Ultra MoE: layer 0 dense, MLA with a
 query latent, sigmoid top-k with a score bias, the routed scaling applied to
 the MoE output, a shared expert, norms before and after each MLP.
+openPangu Embedded: Pangu Ultra MoE's MoE layers (its releases are dense;
+vLLM's module builds that block where the config has ``n_routed_experts``)
+after a first dense layer, grouped-query attention with q, k, v and output
+biases, no sandwich norms.
 
 Used by :mod:`vllm_afd.models.tiny_hf` (``hf_config`` / ``write_hf_weights``).
 """
@@ -198,6 +206,25 @@ REMOTE_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
             v_head_dim=32,
         ),
     ),
+    # openPangu Embedded with MoE layers: vLLM's module builds an MoE block
+    # (Pangu Ultra MoE's) where the config has ``n_routed_experts`` (the
+    # released checkpoints are dense); grouped-query attention with q, k, v
+    # and output biases (``bias``, as its release's config class sets it)
+    "pangu_embedded": (
+        "PanguEmbedded",
+        "PanguEmbeddedForCausalLM",
+        "PanguEmbeddedConfig",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            router_enable_expert_bias=True,
+            routed_scaling_factor=2.5,
+            bias=True,
+        ),
+    ),
     # Sarvam-MLA: DeepSeek-V3's layout in a module of its own: MLA, a first
     # dense layer, sigmoid grouped top-k with a score bias that vLLM's loader
     # shifts to zero mean, routed scaling, a shared expert, an fp32 router
@@ -304,6 +331,8 @@ def remote_config(
         )
     elif _mla(values):
         values.update(num_key_value_heads=_HEADS, attention_bias=False)
+    elif model_type == "PanguEmbedded":
+        values.update(num_key_value_heads=_KV_HEADS, head_dim=_HEAD_DIM)
     else:
         values.update(
             num_key_value_heads=_KV_HEADS,
@@ -321,6 +350,23 @@ def _mla(values: dict[str, Any]) -> bool:
     return "kv_lora_rank" in values
 
 
+def _gqa_specs(a: str, h: int, *, bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Grouped-query attention under ``a`` in Llama's names, with a bias on
+    every projection where ``bias`` (openPangu Embedded)."""
+    q, kv = _HEADS * _HEAD_DIM, _KV_HEADS * _HEAD_DIM
+    specs: dict[str, tuple[tuple[int, ...], str]] = {}
+    for proj, (rows, cols) in {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+    }.items():
+        specs[f"{a}.{proj}.weight"] = ((rows, cols), "linear")
+        if bias:
+            specs[f"{a}.{proj}.bias"] = ((rows,), "bias")
+    return specs
+
+
 def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
     from vllm_afd.models.tiny_own import mla_specs, mlp_specs
@@ -328,18 +374,20 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
     c = config.values
     h, vocab = c["hidden_size"], c["vocab_size"]
     deepseek = c["model_type"] == "deepseek"
+    pangu_gqa = c["model_type"] == "PanguEmbedded"
     mla = _mla(c)
     experts: int = c["n_routed_experts" if "n_routed_experts" in c else "num_experts"]
     shared: int = c[
         "n_shared_experts" if "n_shared_experts" in c else "num_shared_experts"
     ]
     inter = c["moe_intermediate_size"]
-    own_names = deepseek or mla  # DeepSeek's names, not Ling's
+    own_names = deepseek or mla or pangu_gqa  # DeepSeek's names, not Ling's
     embed = "model.embed_tokens.weight" if own_names else "model.word_embeddings.weight"
     # the score bias: held by the gate in Ling's name or DeepSeek-V3's
     # (Sarvam-MLA); Pangu's checkpoints store it on the MoE block
     bias = {
         "pangu_ultra_moe": "e_score_correction_bias",
+        "PanguEmbedded": "e_score_correction_bias",
         "sarvam_mla": "gate.e_score_correction_bias",
     }.get(c["model_type"], "gate.expert_bias")
     has_bias = c.get("moe_router_enable_expert_bias") or c.get(
@@ -363,6 +411,8 @@ def weight_specs(config: RemoteCodeConfig) -> dict[str, tuple[tuple[int, ...], s
                 specs[f"{a}.{proj}.weight"] = ((h, h), "linear")
         elif mla:
             specs.update(mla_specs(f"{p}.self_attn", c))
+        elif pangu_gqa:
+            specs.update(_gqa_specs(f"{p}.self_attn", h, bias=c["bias"]))
         else:
             a = f"{p}.attention"
             q, kv = _HEADS * _HEAD_DIM, _KV_HEADS * _HEAD_DIM
