@@ -9,9 +9,9 @@ with the same environment) and forks a child per start, which runs
 caller gave, its environment the caller's. What a role does after its
 imports, the processes vLLM spawns included (they start from a fresh
 interpreter, as always), is unchanged. The harness keeps one fork server
-per environment (less the ``AFD_*`` and ``PYTEST_*`` variables: read when
-used, never at import), so that no module read at import a value that
-another start would have set otherwise.
+per environment (less the ``AFD_*`` and ``PYTEST_*`` variables and vLLM's
+``VLLM_RPC_BASE_PATH``: read when used, never at import), so that no module
+read at import a value that another start would have set otherwise.
 
     python fork_server.py SOCKET_PATH
 

@@ -33,7 +33,7 @@ from vllm_afd.deploy import process
 READY_S = 180.0
 #: variables read when used, never at import (this project's; pytest's name
 #: of the running test): a fork server serves every value of them
-UNKEYED = ("AFD_", "PYTEST_")
+UNKEYED = ("AFD_", "PYTEST_", "VLLM_RPC_BASE_PATH")
 #: fork servers kept at once (~0.6 GB each): beyond it the least recently
 #: used with no child running are stopped
 KEEP = 3

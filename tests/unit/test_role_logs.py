@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 
@@ -93,6 +94,14 @@ def test_console_shows_errors_and_afd_lines_only(line, shown):
     assert (out.getvalue() != "") is shown
 
 
+@pytest.fixture(autouse=True)
+def _temporary_files_in_tmp_path(tmp_path, monkeypatch):
+    """What a role process makes in the temporary directory (its vLLM socket
+    directory, an FFN's stop note) goes to the test's own directory: most
+    tests here let the process exit by itself and never stop it."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+
 FAILING = """
 import sys
 print("INFO starting", flush=True)
@@ -178,3 +187,56 @@ def test_a_sink_closed_while_the_role_writes_is_dropped_and_the_pipe_drained(
     proc._pump.join(10)
     assert not proc._pump.is_alive()
     assert "line 3999 " in (tmp_path / "f.log").read_text()
+
+
+#: a stand-in for vLLM's processes: binds a socket where vLLM would put its
+#: ZMQ IPC sockets, says where, and runs until it is stopped (by a signal,
+#: which leaves the socket file behind)
+BINDS_A_SOCKET = """
+import os, socket, time
+path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "engine.sock")
+socket.socket(socket.AF_UNIX).bind(path)
+print("bound", path, flush=True)
+time.sleep(120)
+"""
+
+
+def _bound_socket(console: io.StringIO, proc: RoleProcess) -> str:
+    deadline = time.monotonic() + 30
+    while "bound " not in console.getvalue():
+        assert proc.exit_code() is None, console.getvalue()
+        assert time.monotonic() < deadline, "the role never bound its socket"
+        time.sleep(0.05)
+    return console.getvalue().split("bound ", 1)[1].split()[0]
+
+
+def test_a_role_keeps_vllms_sockets_in_a_directory_removed_at_stop(
+    tmp_path, monkeypatch
+):
+    """vLLM leaves its ZMQ IPC sockets in the temporary directory when its
+    processes end by a signal; each role process gets a directory of its own
+    for them, and stopping the role removes it."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    proc = RoleProcess("attention", [sys.executable, "-c", BINDS_A_SOCKET], 1, {})
+    console = io.StringIO()
+    proc.start(console)
+    path = _bound_socket(console, proc)
+    assert os.path.dirname(path) == proc.rpc_dir
+    assert os.path.basename(proc.rpc_dir).startswith("vllm-afd-attention-")
+    assert os.path.dirname(proc.rpc_dir) == str(tmp_path)
+    proc.stop(10)
+    assert not os.path.exists(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_socket_directory_the_user_gives_is_used_and_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    env = {"VLLM_RPC_BASE_PATH": str(mine)}
+    proc = RoleProcess("attention", [sys.executable, "-c", BINDS_A_SOCKET], 1, env)
+    console = io.StringIO()
+    proc.start(console)
+    assert _bound_socket(console, proc) == str(mine / "engine.sock")
+    proc.stop(10)
+    assert proc.rpc_dir is None and mine.is_dir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -79,6 +80,9 @@ class RoleProcess:
     # the first exception line of its output since it last started
     log_file: Path | None = None
     first_error: str | None = None
+    # the directory of the server's ZMQ IPC sockets (vLLM's
+    # VLLM_RPC_BASE_PATH): made at the first start, removed at stop
+    rpc_dir: str | None = None
 
     @property
     def label(self) -> str:
@@ -105,6 +109,12 @@ class RoleProcess:
                 os.close(fd)
             Path(self.stop_note).write_text("")
             env = {**env, envs.AFD_STOP_NOTE: self.stop_note}
+        if RPC_PATH_VAR not in env and RPC_PATH_VAR not in os.environ:
+            # vLLM names its sockets in the system's temporary directory and
+            # leaves them there when its processes end by a signal
+            if self.rpc_dir is None:
+                self.rpc_dir = tempfile.mkdtemp(prefix=f"vllm-afd-{self.label}-")
+            env = {**env, RPC_PATH_VAR: self.rpc_dir}
         self.proc = spawn(self.argv, env)
         self._pump = threading.Thread(
             target=self._pump_lines, args=(self.proc.stdout, log), daemon=True
@@ -214,9 +224,16 @@ class RoleProcess:
         while _group_alive(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         signal_group(self.proc, signal.SIGKILL)
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
 
 GROUP_GRACE_S = 5.0
+#: where vLLM puts its processes' ZMQ IPC sockets (default: the system's
+#: temporary directory); a role process not given one gets a directory of
+#: its own, removed when it stops
+RPC_PATH_VAR = "VLLM_RPC_BASE_PATH"
 #: seconds an FFN rank must run before its restarts in a row count from 0
 #: defers SIGTERM while its API server waits for the engine to be ready)
 STARTING_STOP_S = 5.0
