@@ -7,6 +7,7 @@ its checks in that lifetime. Outputs are compared as token ids
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import json
@@ -88,6 +89,48 @@ def prompts(n: int = 16) -> list[str]:
         k = lengths[i % len(lengths)]
         out.append(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(k)))
     return out
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A request of a workload sent to ``/v1/chat/completions``: one user
+    message of an image (``image``, a data URL) and ``text``."""
+
+    text: str
+    image: str
+
+    def messages(self) -> list[dict[str, Any]]:
+        content = [
+            {"type": "image_url", "image_url": {"url": self.image}},
+            {"type": "text", "text": self.text},
+        ]
+        return [{"role": "user", "content": content}]
+
+
+def png_data_url(seed: int, side: int = 8) -> str:
+    """A ``side`` x ``side`` RGB PNG of a pattern drawn from ``seed``, as a
+    data URL (the processor scales it to its image size)."""
+    from PIL import Image
+
+    image = Image.new("RGB", (side, side))
+    image.putdata(
+        [
+            ((x * 37 + seed * 91) % 256, (y * 53 + seed * 17) % 256,
+             (x * y * 11 + seed * 29) % 256)
+            for y in range(side)
+            for x in range(side)
+        ]
+    )  # fmt: skip
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+def image_chats(n: int = 4) -> list[Chat]:
+    """``n`` chat requests, each with an image of its own and a text of
+    :func:`prompts` (1, 13, 89 and 180 words, then again)."""
+    texts = prompts(16)
+    return [Chat(texts[(0, 5, 9, 13)[i % 4]], png_data_url(i)) for i in range(n)]
 
 
 def _ephemeral_low() -> int:
@@ -186,31 +229,50 @@ def _parse_choice(choice: dict[str, Any]) -> Completion:
     )
 
 
-def _body(model: str, prompt: str | list[int], max_tokens: int, stream: bool) -> bytes:
-    return json.dumps(
-        {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": 5,
-            "return_tokens_as_token_ids": True,
-            "stream": stream,
-        }
-    ).encode()
+def _parse_chat_choice(choice: dict[str, Any]) -> Completion:
+    """A chat reply's choice, or a streamed chunk's (the first and last carry
+    no tokens)."""
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return Completion(
+        token_ids=tuple(_token_id(t["token"]) for t in content),
+        top_logprobs=tuple(
+            {_token_id(e["token"]): e["logprob"] for e in t["top_logprobs"]}
+            for t in content
+        ),
+    )
+
+
+def _body(
+    model: str, prompt: str | list[int] | Chat, max_tokens: int, stream: bool
+) -> bytes:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+        "stream": stream,
+    }
+    if isinstance(prompt, Chat):
+        body |= {"messages": prompt.messages(), "logprobs": True, "top_logprobs": 5}
+    else:
+        body |= {"prompt": prompt, "logprobs": 5}
+    return json.dumps(body).encode()
 
 
 def complete(
     url: str,
     model: str,
-    prompt: str | list[int],
+    prompt: str | list[int] | Chat,
     max_tokens: int,
     stream: bool,
     timeout: float = 300.0,
 ) -> Completion:
+    """One request: a completion, or a chat completion for a :class:`Chat`."""
+    chat = isinstance(prompt, Chat)
+    parse = _parse_chat_choice if chat else _parse_choice
     req = urllib.request.Request(
-        f"{url}/v1/completions",
+        f"{url}/v1/{'chat/completions' if chat else 'completions'}",
         data=_body(model, prompt, max_tokens, stream),
         headers={"Content-Type": "application/json"},
     )
@@ -224,29 +286,33 @@ def complete(
         ) from None
     with resp:
         if not stream:
-            return _parse_choice(_first_choice(json.loads(resp.read())))
+            return parse(_first_choice(json.loads(resp.read())))
         ids: list[int] = []
         tops: list[dict[int, float]] = []
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            part = _parse_choice(_first_choice(json.loads(line[5:])))
+            part = parse(_first_choice(json.loads(line[5:])))
             ids += part.token_ids
             tops += part.top_logprobs
         return Completion(tuple(ids), tuple(tops))
 
 
-def workload_jobs(texts: list[str]) -> list[tuple[str, int]]:
+def workload_jobs(texts: list[str | Chat]) -> list[tuple[str | Chat, int]]:
     """(prompt, new tokens) of each request of the workload: 32-64 new tokens."""
     return [(p, 32 + (i * 7) % 33) for i, p in enumerate(texts)]
 
 
 def run_workload(
-    url: str, model: str, texts: list[str], only: tuple[int, ...] | None = None
+    url: str,
+    model: str,
+    texts: list[str | Chat],
+    only: tuple[int, ...] | None = None,
 ) -> list[Completion]:
-    """All prompts at once; even ones streamed; 32-64 new tokens. ``only``:
-    these requests of the workload (each as the whole workload sends it)."""
+    """All prompts at once (a :class:`Chat` as a chat request); even ones
+    streamed; 32-64 new tokens. ``only``: these requests of the workload
+    (each as the whole workload sends it)."""
     jobs = [(p, n, i % 2 == 0) for i, (p, n) in enumerate(workload_jobs(texts))]
     if only is not None:
         jobs = [jobs[i] for i in only]
@@ -266,7 +332,7 @@ def warm_up(url: str, texts: list[str]) -> None:
 
 def plain_outputs(
     spec: DeploymentSpec,
-    texts: list[str],
+    texts: list[str | Chat],
     log: Any = None,
     devices: str | None = None,
     ready_timeout: float = 600.0,
@@ -308,7 +374,7 @@ def plain_outputs(
     return list(out)
 
 
-def prestart_plain(spec: DeploymentSpec, texts: list[str]) -> None:
+def prestart_plain(spec: DeploymentSpec, texts: list[str | Chat]) -> None:
     """Begin what :func:`plain_outputs` will need for ``spec`` and ``texts``
     (nothing when their outputs are known): :data:`PLAIN_RUNNER` computes
     them on a thread, or the plain server starts (``POOL.prestart``), while
@@ -374,7 +440,7 @@ class PlainRunner:
         self._reply = os.fdopen(read)
 
     def outputs(
-        self, server: PlainServer, jobs: list[tuple[str, int]], timeout: float
+        self, server: PlainServer, jobs: list[tuple[str | Chat, int]], timeout: float
     ) -> list[Completion]:
         """The outputs of ``jobs`` on plain vLLM with ``server``'s model and
         arguments."""
@@ -387,7 +453,9 @@ class PlainRunner:
         for flag in ("--host", "--port"):
             i = args.index(flag)
             del args[i : i + 2]
-        request = {"model": model, "args": args, "jobs": jobs}
+        # a chat request as its messages (``plain_runner.py``: ``LLM.chat``)
+        sent = [(p.messages() if isinstance(p, Chat) else p, n) for p, n in jobs]
+        request = {"model": model, "args": args, "jobs": sent}
         self._proc.stdin.write((json.dumps(request) + "\n").encode())
         self._proc.stdin.flush()
         ready, _, _ = select.select([self._reply], [], [], timeout)
@@ -909,7 +977,7 @@ class Compared:
 
 def afd_vs_plain(
     spec: DeploymentSpec,
-    texts: list[str],
+    texts: list[str | Chat],
     plain: list[Completion] | None = None,
     metrics: str | None = None,
     then: DeploymentSpec | None = None,

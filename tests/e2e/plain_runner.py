@@ -12,8 +12,11 @@ fails is answered with the error and ends the process (vLLM's process-wide
 state is then half built); the harness starts a new one for the next.
 
 Request: ``{"model": str, "args": [vLLM CLI args], "jobs": [[prompt,
-max_tokens], ...]}``. Answer: ``{"outputs": [{"token_ids": [...],
-"top_logprobs": [[[id, logprob], ...], ...]}, ...]}`` or ``{"error": str}``.
+max_tokens], ...]}``, a prompt being a text or a chat request's messages
+(``LLM.chat``, as the server's ``/v1/chat/completions`` renders and processes
+them; texts first, then the chats, on the same engine). Answer:
+``{"outputs": [{"token_ids": [...], "top_logprobs": [[[id, logprob], ...],
+...]}, ...]}`` or ``{"error": str}``.
 """
 
 from __future__ import annotations
@@ -53,14 +56,27 @@ def _run(request: dict) -> dict:
 
     llm = LLM(**_engine_kwargs(request["model"], request["args"]))
     try:
-        prompts = [prompt for prompt, _ in request["jobs"]]
+        jobs = request["jobs"]
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
-            for _, n in request["jobs"]
+            for _, n in jobs
         ]
+        texts = [i for i, (prompt, _) in enumerate(jobs) if isinstance(prompt, str)]
+        chats = [i for i in range(len(jobs)) if i not in texts]
+        done = {}
+        if texts:
+            prompts = [jobs[i][0] for i in texts]
+            picked = [params[i] for i in texts]
+            outs = llm.generate(prompts, picked, use_tqdm=False)
+            done |= dict(zip(texts, outs, strict=True))
+        if chats:
+            messages = [jobs[i][0] for i in chats]
+            picked = [params[i] for i in chats]
+            outs = llm.chat(messages, picked, use_tqdm=False)
+            done |= dict(zip(chats, outs, strict=True))
         outputs = []
-        for out in llm.generate(prompts, params, use_tqdm=False):
-            sample = out.outputs[0]
+        for i in range(len(jobs)):
+            sample = done[i].outputs[0]
             outputs.append(
                 {
                     "token_ids": list(sample.token_ids),

@@ -9,7 +9,8 @@ request-boundary stages, ``worker.stages``); the families served since,
 each at 1A1F with the gate on attention (gpt-oss at 2A1F) but Cohere2-MoE, with
 the gate on the FFN role. Each is compared token-for-token (and top-5 logprobs)
 with one plain vLLM server of the same model and settings (fp32, eager) on 16
-prompts of 1 to 200 tokens sent at once (long prefills beside decodes). Each
+prompts of 1 to 200 tokens sent at once (long prefills beside decodes); Aria's
+workload adds 4 chat requests with an image each (``IMAGES``). Each
 deployment also proves the role split from the roles' own start-up lines: the
 attention role holds no expert weights, the FFN role no attention, embedding,
 norm or lm_head weights, both read the same split from what vLLM built, and an
@@ -36,6 +37,7 @@ from harness import (
     afd_vs_plain,
     assert_same_outputs,
     http_get,
+    image_chats,
     kill_ffn_mid_stream,
     make_spec,
     model_lines,
@@ -49,7 +51,7 @@ from harness import (
 )
 
 from vllm_afd.cli.bench_ttft import afd_counters, breakdown
-from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS, TEXT_ONLY_ARGS
+from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS
 
 pytestmark = pytest.mark.e2e
 
@@ -126,6 +128,11 @@ REMOTE_CODE = (
     "bailing_moe", "bailing_moe_v2", "deepseek_moe", "sarvam_moe", "sarvam_mla",
     "param2moe", "pangu_ultra_moe", "pangu_embedded",
 )  # fmt: skip
+#: multimodal families whose workload adds chat requests with an image each
+#: (``harness.image_chats``), sent with the text prompts: the vision tower and
+#: projector run on the attention role, which sends the text model's hidden
+#: states of the image tokens as of any other
+IMAGES = {"aria": 4}
 #: logprob tolerance of bf16 (its resolution), as in test_exact_1a1f.py
 BF16_ATOL = 1e-2
 
@@ -259,7 +266,8 @@ def test_family_exact_and_role_split(
 ):
     case = (family, ranks, ffn_ranks, gate_on_attention, connector)
     spec = _spec(family_models[family], ranks, ffn_ranks, gate_on_attention, connector)
-    texts = prompts(16)  # test_faults.py and test_multi_host.py's workload
+    # test_faults.py and test_multi_host.py's workload, images added
+    texts = [*prompts(16), *image_chats(IMAGES.get(family, 0))]
     # plain vLLM once per family (harness); the next case starts meanwhile
     staged = "stages" in connector.split("+")
     run = afd_vs_plain(
@@ -276,10 +284,18 @@ def test_family_exact_and_role_split(
         role: {g: b for g, b in groups.items() if b}
         for role, (_, groups) in lines.items()
     }
+    images = sum(
+        a.token_ids == p.token_ids
+        for a, p in zip(run.afd[16:], run.plain[16:], strict=True)
+    )
+    with_images = (
+        f" ({images}/{len(texts) - 16} with an image, logprobs within "
+        f"{_largest_gap(run.afd[16:], run.plain[16:]):.3g})"
+    ) * (len(texts) > 16)
     FAMILY_RESULTS.append(
         f"{family} {ranks}A{ffn_ranks}F {connector} gate on "
         f"{'attention' if gate_on_attention else 'ffn'}: {same}/{len(texts)} "
-        f"identical; bytes {held}"
+        f"identical{with_images}; bytes {held}"
     )
     atol = BF16_ATOL if family in DTYPES else _atol(family, ranks, ffn_ranks)
     assert_same_outputs(run.afd, run.plain, atol=atol)
@@ -319,6 +335,21 @@ def test_family_exact_and_role_split(
         assert 0 < split < steps, run.metrics
 
 
+def _largest_gap(afd, plain) -> float:
+    """The largest top-5 logprob difference of requests whose tokens agree
+    (``assert_same_outputs`` checks them all)."""
+    return max(
+        (
+            abs(ta[tok] - tp.get(tok, ta[tok]))
+            for a, p in zip(afd, plain, strict=True)
+            if a.token_ids == p.token_ids
+            for ta, tp in zip(a.top_logprobs, p.top_logprobs, strict=True)
+            for tok in ta
+        ),
+        default=0.0,
+    )
+
+
 def _check_ranks_step_on_their_own(spec) -> None:
     """The async connector's attention ranks run as independent engines
     (``compat.independent_ranks``): while one serves a request, the other,
@@ -343,10 +374,9 @@ def _spec(model, ranks: int, ffn_ranks: int, gate_on_attention: bool, connector:
     staged = {"ubatches": 2, "attention_args": STAGE_ARGS} if "stages" in flags else {}
     options = {"payload": "shared"} if "shared" in flags else {}
     remote = ["--trust-remote-code"] if Path(model).name in REMOTE_CODE else []
-    text_only = TEXT_ONLY_ARGS.get(Path(model).name, [])
     return make_spec(
         model,
-        ["--dtype", dtype, "--enforce-eager", *remote, *text_only],
+        ["--dtype", dtype, "--enforce-eager", *remote],
         attention_ranks=ranks,
         ffn_ranks=ffn_ranks,
         gate_on_attention=gate_on_attention,

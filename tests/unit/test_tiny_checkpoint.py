@@ -296,3 +296,41 @@ def test_num_experts_refuses_what_the_family_cannot_take(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         write_tiny_checkpoint(tmp_path / "m", arch=arch, num_experts=experts)
+
+
+def test_aria_checkpoint_processes_an_image(tmp_path: Path) -> None:
+    """Aria's tiny checkpoint carries transformers' processor (the PIL image
+    processor where torchvision is absent) and the image token its config
+    names: an image becomes the projector's 16 queries' tokens, at the one
+    image size its vision tower takes."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from vllm_afd.models.tiny_hf import (
+        ARIA_IMAGE_QUERIES,
+        ARIA_IMAGE_SIZE,
+        lacks_processor,
+    )
+
+    out = write_tiny_checkpoint(tmp_path / "aria", arch="aria", num_layers=2)
+    cfg = _config(out)
+    processor = AutoProcessor.from_pretrained(out)
+    image_id = processor.tokenizer.image_token_id
+    assert cfg["image_token_index"] == image_id
+    assert cfg["text_config"]["vocab_size"] == len(processor.tokenizer)
+    # vLLM's placeholder of an image in a chat prompt
+    text = "look <|fim_prefix|><|img|><|fim_suffix|> here"
+    got = processor(text=[text], images=[Image.new("RGB", (8, 8))], return_tensors="pt")
+    ids = got["input_ids"][0].tolist()
+    assert ids.count(image_id) == ARIA_IMAGE_QUERIES
+    assert tuple(got["pixel_values"].shape) == (1, 3, ARIA_IMAGE_SIZE, ARIA_IMAGE_SIZE)
+    patches = (ARIA_IMAGE_SIZE // cfg["vision_config"]["patch_size"]) ** 2
+    assert cfg["projector_patch_to_query_dict"] == {str(patches): ARIA_IMAGE_QUERIES}
+    assert not lacks_processor("aria", out)
+    (out / "preprocessor_config.json").unlink()
+    assert lacks_processor("aria", out)
+    # the other families' tokenizers hold no added tokens
+    other = write_tiny_checkpoint(tmp_path / "q", arch="qwen3_moe", num_layers=2)
+    assert "extra_special_tokens" not in json.loads(
+        (other / "tokenizer_config.json").read_text()
+    )

@@ -49,16 +49,14 @@ def demo_vllm_args(arch: str) -> list[str]:
     CPU (``tiny_hf.CPU_DTYPES``: bf16 for Qwen3-Next), with
     ``--trust-remote-code`` for a family whose config class is code in the
     checkpoint (``tiny_remote.REMOTE_FAMILIES``: Ling, Ling 2.0, DeepSeek-MoE,
-    Sarvam, Param2, openPangu), and a multimodal family's tiny model served as
-    a text model (``tiny_hf.TEXT_ONLY_ARGS``: Aria)."""
-    from vllm_afd.models.tiny_hf import CPU_DTYPES, TEXT_ONLY_ARGS
+    Sarvam, Param2, openPangu)."""
+    from vllm_afd.models.tiny_hf import CPU_DTYPES
     from vllm_afd.models.tiny_remote import REMOTE_FAMILIES
 
     args = list(DEMO_VLLM_ARGS)
     args[args.index("--dtype") + 1] = CPU_DTYPES.get(arch, "float32")
     if arch in REMOTE_FAMILIES:
         args.append("--trust-remote-code")
-    args += TEXT_ONLY_ARGS.get(arch, [])
     return args
 
 
@@ -109,10 +107,12 @@ def _print_answers(title: str, answers: Answers) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
-    from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS
+    from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS, lacks_processor
 
     model_dir = args.model_dir or Path(f"{DEFAULT_DIR}-{args.arch}")
-    if not (model_dir / "config.json").exists():
+    if not (model_dir / "config.json").exists() or lacks_processor(
+        args.arch, model_dir
+    ):
         print(f"writing tiny {args.arch} model to {model_dir}", flush=True)
         write_tiny_checkpoint(model_dir, arch=args.arch, num_layers=4)
     log, log_dir = console_and_logs(args, "demo")

@@ -288,7 +288,7 @@ FAMILIES: tuple[Family, ...] = (
         moe_modules=(("llama", None),),
     ),
     Family(
-        # Aria (multimodal; its text model served): Llama's decoder with an
+        # Aria (multimodal, images served): Llama's decoder with an
         # MoE block in every layer, whose router weight the block holds as a
         # parameter (no gate module) and applies before the runner; shared
         # experts (Llama's MLP) passed into vLLM's MoE layer

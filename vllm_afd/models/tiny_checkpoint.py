@@ -29,10 +29,13 @@ from typing import Any
 import torch
 
 from vllm_afd.models.tiny_hf import (
+    ADDED_TOKENS,
     HF_ARCHS,
+    NAMED_TOKENS,
     check_num_experts,
     hf_config,
     write_hf_weights,
+    write_processor,
 )
 from vllm_afd.models.tiny_own import OWN_WRITERS, mla_specs, mlp_specs
 
@@ -172,7 +175,9 @@ def write_tiny_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    vocab_size = _write_tokenizer(out)
+    vocab_size = _write_tokenizer(
+        out, ADDED_TOKENS.get(arch, ()), NAMED_TOKENS.get(arch, {})
+    )
     shape: dict[str, Any] = dict(
         num_layers=num_layers,
         vocab_size=vocab_size,
@@ -185,6 +190,7 @@ def write_tiny_checkpoint(
         config_obj = hf_config(arch, **shape, num_experts=num_experts)
         write_hf_weights(config_obj, out, draw, seed, _DTYPES[dtype])
         _write_generation_config(out, _special_ids())
+        write_processor(arch, out)
         if mxfp4_experts:
             from vllm_afd.models.tiny_mxfp4 import quantize_experts_mxfp4
 
@@ -415,8 +421,13 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 # Tokenizer
 
 
-def _write_tokenizer(out: Path) -> int:
-    """Train a byte-level BPE on the built-in corpus; return its vocabulary size."""
+def _write_tokenizer(
+    out: Path, added: tuple[str, ...] = (), named: dict[str, str] | None = None
+) -> int:
+    """Train a byte-level BPE on the built-in corpus; return its vocabulary
+    size. ``added``: special tokens appended after the trained vocabulary,
+    ``named``: those of them the tokenizer names (``extra_special_tokens``,
+    e.g. ``image_token``; ``tiny_hf.ADDED_TOKENS``, ``tiny_hf.NAMED_TOKENS``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
 
@@ -442,7 +453,9 @@ def _write_tokenizer(out: Path) -> int:
             ),
         ]
     )
+    tok.add_special_tokens(list(added))
     tok.save(str(out / "tokenizer.json"))
+    extra: dict[str, Any] = {"extra_special_tokens": named} if named else {}
     _write_json(
         out / "tokenizer_config.json",
         {
@@ -455,6 +468,7 @@ def _write_tokenizer(out: Path) -> int:
             "clean_up_tokenization_spaces": False,
             "model_max_length": _MAX_POSITIONS,
             "chat_template": CHAT_TEMPLATE,
+            **extra,
         },
     )
     _write_json(

@@ -9,8 +9,9 @@ the routers spread tokens over the experts. Families whose releases ship their
 config class as code of their own (Ling, Ling 2.0, DeepSeek-MoE, Sarvam,
 Param2, openPangu) are written by :mod:`vllm_afd.models.tiny_remote` through
 the same two calls. Aria's checkpoint is its whole multimodal model (a tiny
-vision tower and projector around the tiny text model), served as a text
-model (:data:`TEXT_ONLY_ARGS`).
+vision tower and projector around the tiny text model) with transformers'
+processor files and an image token (:func:`write_processor`), so it is
+served with images.
 
 Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 """
@@ -334,8 +335,9 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             position_embedding_type="rope",
         ),
     ),
-    # Aria (its text model; the checkpoint is the whole multimodal model,
-    # with a one-layer vision tower and projector): Llama's attention, every
+    # Aria (its text model's config; the checkpoint is the whole multimodal
+    # model, with a one-layer vision tower and projector, :func:`_aria_config`,
+    # and processor files, :func:`write_processor`): Llama's attention, every
     # layer MoE, a router weight the block holds itself (no gate module),
     # softmax top-k, shared experts passed into vLLM's MoE layer, the
     # experts stored fused and transposed (``experts.fc1``, ``experts.fc2``).
@@ -424,12 +426,24 @@ GATE_ON_ATTENTION_ARCHS = (
 #: kernel of Qwen3-Next's gated delta-net attention asserts "CPU GDN
 #: attention requires BF16"
 CPU_DTYPES = {"qwen3_next": "bfloat16"}
-#: vLLM arguments every server of a multimodal tiny family takes: its tiny
-#: checkpoint has no image processor, so it is served as a text model (vLLM
-#: then builds no vision tower and projector)
-TEXT_ONLY_ARGS: dict[str, list[str]] = {
-    "aria": ["--limit-mm-per-prompt", '{"image": 0}'],
-}
+#: Aria's image token and the two around it in the placeholder vLLM writes
+#: into a chat prompt for an image (``<|fim_prefix|><|img|><|fim_suffix|>``),
+#: special tokens of its release's tokenizer
+ARIA_IMAGE_TOKEN = "<|img|>"
+_ARIA_TOKENS = ("<|fim_prefix|>", ARIA_IMAGE_TOKEN, "<|fim_suffix|>")
+#: special tokens a family's tokenizer holds after the trained vocabulary
+ADDED_TOKENS: dict[str, tuple[str, ...]] = {"aria": _ARIA_TOKENS}
+#: those of them the tokenizer names (``extra_special_tokens``):
+#: ``AriaProcessor`` reads ``tokenizer.image_token`` and ``image_token_id``
+NAMED_TOKENS: dict[str, dict[str, str]] = {"aria": {"image_token": ARIA_IMAGE_TOKEN}}
+#: Aria's image side in the tiny checkpoint: ``AriaProcessor`` resizes every
+#: image to its default ``max_image_size``, 980 (its call passes that default
+#: over the image processor's own setting; 490 is the only other size it
+#: takes), cut into 14x14 patches of 70 pixels, which the projector turns
+#: into 16 queries: 16 image tokens per image
+ARIA_IMAGE_SIZE = 980
+_ARIA_PATCH = 70
+ARIA_IMAGE_QUERIES = 16
 
 
 def hf_config(
@@ -536,7 +550,8 @@ def hf_config(
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (num_layers - 1)
     config = config_cls(**kwargs)
     if arch == "aria":
-        return _aria_config(config, special_ids["pad_token_id"])
+        image_id = vocab_size - len(_ARIA_TOKENS) + _ARIA_TOKENS.index(ARIA_IMAGE_TOKEN)
+        return _aria_config(config, image_id)
     config.architectures = [
         type(config)
         .__name__.replace("TextConfig", "Config")
@@ -549,8 +564,8 @@ def hf_config(
 
 def _aria_config(text: Any, image_token_index: int) -> Any:
     """Aria's whole config around the tiny text model: a one-layer vision
-    tower of 7x7 patches and a projector to 16 queries (the checkpoint holds
-    them; served as a text model, vLLM builds neither)."""
+    tower of 14x14 patches and a projector to 16 queries
+    (:data:`ARIA_IMAGE_SIZE`)."""
     import transformers
 
     vision = transformers.Idefics3VisionConfig(
@@ -558,18 +573,45 @@ def _aria_config(text: Any, image_token_index: int) -> Any:
         intermediate_size=128,
         num_hidden_layers=1,
         num_attention_heads=2,
-        image_size=98,
-        patch_size=14,
+        image_size=ARIA_IMAGE_SIZE,
+        patch_size=_ARIA_PATCH,
     )
+    patches = (ARIA_IMAGE_SIZE // _ARIA_PATCH) ** 2
     config = transformers.AriaConfig(
         text_config=text,
         vision_config=vision,
-        projector_patch_to_query_dict={(98 // 14) ** 2: 16},
+        projector_patch_to_query_dict={patches: ARIA_IMAGE_QUERIES},
         image_token_index=image_token_index,
         tie_word_embeddings=False,
     )
     config.architectures = ["AriaForConditionalGeneration"]
     return config
+
+
+def lacks_processor(arch: str, path: Path) -> bool:
+    """A tiny checkpoint of a multimodal family written before its processor
+    files were (served as a text model then): written again by the demo."""
+    return arch in NAMED_TOKENS and not (path / "preprocessor_config.json").exists()
+
+
+def write_processor(arch: str, out: Path) -> None:
+    """A multimodal family's processor files beside its tokenizer (Aria:
+    transformers' ``AriaImageProcessor`` config and ``AriaProcessor``'s
+    ``size_conversion``, :data:`ARIA_IMAGE_SIZE`); nothing for the others."""
+    if arch != "aria":
+        return
+    import json
+
+    import transformers
+
+    transformers.AriaImageProcessorPil(
+        max_image_size=ARIA_IMAGE_SIZE, split_image=False
+    ).save_pretrained(out)
+    processor = {
+        "processor_class": "AriaProcessor",
+        "size_conversion": {str(ARIA_IMAGE_SIZE): ARIA_IMAGE_QUERIES},
+    }
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
 
 
 def _mimo_v2_release_keys(config: Any) -> None:
