@@ -54,10 +54,13 @@ PIECEWISE = ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}']
 
 
 def _args(ffn_ranks: int, graphs: str) -> list[str]:
-    """bf16 with one FFN rank, float32 with the experts split; eager or
-    piecewise graphs."""
+    """bf16 eager with one FFN rank; float32 with the experts split, and in
+    piecewise graphs: compiled bf16 of a model without shared experts rounds
+    the MoE output to bf16 at the exchange, which plain vLLM's compiled
+    forward need not do, so greedy ids can part in near-ties (the attention
+    role warns; on one H100 the 1A1F bf16 case differed from plain vLLM)."""
     args = list(ONE_GPU_ARGS)
-    if ffn_ranks > 1:
+    if ffn_ranks > 1 or graphs == "piecewise":
         args[args.index("--dtype") + 1] = "float32"
     if graphs == "piecewise":
         args = [a for a in args if a != "--enforce-eager"] + PIECEWISE
