@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -804,6 +804,31 @@ COMPILED_BF16_V3 = pytest.mark.skipif(
 )
 
 
+def _top_logprob_steps(
+    afd: list[Completion], plain: list[Completion]
+) -> Iterator[tuple[int, int, dict[int, float], dict[int, float]]]:
+    """(request, step, AFD's top-5, plain's top-5) of every step of the
+    requests whose token ids agree."""
+    for i, (a, p) in enumerate(zip(afd, plain, strict=True)):
+        if a.token_ids == p.token_ids:
+            pairs = zip(a.top_logprobs, p.top_logprobs, strict=True)
+            for step, (ta, tp) in enumerate(pairs):
+                yield i, step, ta, tp
+
+
+def largest_logprob_gap(afd: list[Completion], plain: list[Completion]) -> float:
+    """The largest difference of a top-5 logprob both list, over the requests
+    whose token ids agree (:func:`assert_same_outputs` checks them all)."""
+    return max(
+        (
+            abs(ta[tok] - tp[tok])
+            for _, _, ta, tp in _top_logprob_steps(afd, plain)
+            for tok in ta.keys() & tp.keys()
+        ),
+        default=0.0,
+    )
+
+
 def assert_same_outputs(
     afd: list[Completion], plain: list[Completion], atol: float
 ) -> None:
@@ -819,19 +844,17 @@ def assert_same_outputs(
     ]  # fmt: skip
     assert not differ, f"greedy tokens differ in requests {differ} of {len(plain)}"
     worst, where, over = 0.0, "", 0
-    for i, (a, p) in enumerate(zip(afd, plain, strict=True)):
-        pairs = zip(a.top_logprobs, p.top_logprobs, strict=True)
-        for step, (ta, tp) in enumerate(pairs):
-            assert set(ta) == set(tp), f"request {i} step {step}: top-5 differ"
-            for tok in ta:
-                gap = abs(ta[tok] - tp[tok])
-                over += gap > atol
-                if gap > worst:
-                    worst = gap
-                    where = (
-                        f"request {i} step {step} token {tok}: logprob "
-                        f"{ta[tok]} vs {tp[tok]}"
-                    )
+    for i, step, ta, tp in _top_logprob_steps(afd, plain):
+        assert set(ta) == set(tp), f"request {i} step {step}: top-5 differ"
+        for tok in ta:
+            gap = abs(ta[tok] - tp[tok])
+            over += gap > atol
+            if gap > worst:
+                worst = gap
+                where = (
+                    f"request {i} step {step} token {tok}: logprob "
+                    f"{ta[tok]} vs {tp[tok]}"
+                )
     assert over == 0, (
         f"{over} logprob(s) differ by more than {atol}; the largest, {worst:.4g}: "
         f"{where}"

@@ -62,7 +62,7 @@ def _run(request: dict) -> dict:
             for _, n in jobs
         ]
         texts = [i for i, (prompt, _) in enumerate(jobs) if isinstance(prompt, str)]
-        chats = [i for i in range(len(jobs)) if i not in texts]
+        chats = [i for i, (prompt, _) in enumerate(jobs) if not isinstance(prompt, str)]
         done = {}
         if texts:
             prompts = [jobs[i][0] for i in texts]

@@ -39,6 +39,7 @@ from harness import (
     http_get,
     image_chats,
     kill_ffn_mid_stream,
+    largest_logprob_gap,
     make_spec,
     model_lines,
     plain_outputs,
@@ -267,7 +268,8 @@ def test_family_exact_and_role_split(
     case = (family, ranks, ffn_ranks, gate_on_attention, connector)
     spec = _spec(family_models[family], ranks, ffn_ranks, gate_on_attention, connector)
     # test_faults.py and test_multi_host.py's workload, images added
-    texts = [*prompts(16), *image_chats(IMAGES.get(family, 0))]
+    text_prompts = prompts(16)
+    texts = [*text_prompts, *image_chats(IMAGES.get(family, 0))]
     # plain vLLM once per family (harness); the next case starts meanwhile
     staged = "stages" in connector.split("+")
     run = afd_vs_plain(
@@ -284,14 +286,15 @@ def test_family_exact_and_role_split(
         role: {g: b for g, b in groups.items() if b}
         for role, (_, groups) in lines.items()
     }
+    n = len(text_prompts)
     images = sum(
         a.token_ids == p.token_ids
-        for a, p in zip(run.afd[16:], run.plain[16:], strict=True)
+        for a, p in zip(run.afd[n:], run.plain[n:], strict=True)
     )
     with_images = (
-        f" ({images}/{len(texts) - 16} with an image, logprobs within "
-        f"{_largest_gap(run.afd[16:], run.plain[16:]):.3g})"
-    ) * (len(texts) > 16)
+        f" ({images}/{len(texts) - n} with an image, logprobs within "
+        f"{largest_logprob_gap(run.afd[n:], run.plain[n:]):.3g})"
+    ) * (len(texts) > n)
     FAMILY_RESULTS.append(
         f"{family} {ranks}A{ffn_ranks}F {connector} gate on "
         f"{'attention' if gate_on_attention else 'ffn'}: {same}/{len(texts)} "
@@ -333,21 +336,6 @@ def test_family_exact_and_role_split(
             f"{steps:.0f} steps in stages"
         )
         assert 0 < split < steps, run.metrics
-
-
-def _largest_gap(afd, plain) -> float:
-    """The largest top-5 logprob difference of requests whose tokens agree
-    (``assert_same_outputs`` checks them all)."""
-    return max(
-        (
-            abs(ta[tok] - tp.get(tok, ta[tok]))
-            for a, p in zip(afd, plain, strict=True)
-            if a.token_ids == p.token_ids
-            for ta, tp in zip(a.top_logprobs, p.top_logprobs, strict=True)
-            for tok in ta
-        ),
-        default=0.0,
-    )
 
 
 def _check_ranks_step_on_their_own(spec) -> None:
