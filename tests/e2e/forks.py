@@ -32,8 +32,9 @@ from vllm_afd.deploy import process
 #: seconds a fork server may take to import vLLM and listen
 READY_S = 180.0
 #: variables read when used, never at import (this project's; pytest's name
-#: of the running test): a fork server serves every value of them
-UNKEYED = ("AFD_", "PYTEST_", "VLLM_RPC_BASE_PATH")
+#: of the running test; vLLM's socket directory and development endpoints,
+#: read as a server starts): a fork server serves every value of them
+UNKEYED = ("AFD_", "PYTEST_", "VLLM_RPC_BASE_PATH", "VLLM_SERVER_DEV_MODE")
 #: fork servers kept at once (~0.6 GB each): beyond it the least recently
 #: used with no child running are stopped
 KEEP = 3

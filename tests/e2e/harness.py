@@ -33,6 +33,7 @@ import pytest
 
 from vllm_afd import envs
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.deploy.process import RoleProcess
 
 
 class Results:
@@ -74,6 +75,12 @@ BASE_ARGS = [
     "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
     "--kv-cache-memory-bytes", "64M",
 ]  # fmt: skip
+
+#: what an API server started with ``--enable-log-requests`` logs once it
+#: passed a request to its engine
+ADDED = "Added request "
+#: seconds a paused server may take to add one request (:func:`run_workload`)
+ADD_TIMEOUT_S = 30.0
 
 WORDS = (
     "experts route tokens through layers while attention keeps the cache and "
@@ -309,15 +316,74 @@ def run_workload(
     model: str,
     texts: list[str | Chat],
     only: tuple[int, ...] | None = None,
+    log: LogSink | None = None,
 ) -> list[Completion]:
     """All prompts at once (a :class:`Chat` as a chat request); even ones
     streamed; 32-64 new tokens. ``only``: these requests of the workload
-    (each as the whole workload sends it)."""
+    (each as the whole workload sends it). ``log``: the server's, when it
+    was started by :func:`start` with one attention rank: the requests are
+    then admitted together (:func:`_admitted_together`)."""
     jobs = [(p, n, i % 2 == 0) for i, (p, n) in enumerate(workload_jobs(texts))]
     if only is not None:
         jobs = [jobs[i] for i in only]
+    if log is not None:
+        return _admitted_together(url, model, jobs, log)
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda j: complete(url, model, *j), jobs))
+
+
+def admits_together(proc: RoleProcess) -> None:
+    """Let the API server of ``proc`` (a ``RoleProcess`` not started yet)
+    take a workload admitted together (:func:`_admitted_together`): vLLM's
+    development endpoints on, and a log line for each request it adds."""
+    proc.env["VLLM_SERVER_DEV_MODE"] = "1"
+    proc.argv.append("--enable-log-requests")
+
+
+def _post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, data=b""), timeout=60).close()
+
+
+def _admitted_together(
+    url: str, model: str, jobs: list[tuple[str | Chat, int, bool]], log: LogSink
+) -> list[Completion]:
+    """``jobs`` sent to a paused engine one by one, each once the server
+    logged the one before added, then all released at once: the engine's
+    first step holds every request, in the workload's order, with an empty
+    prefix cache, as plain vLLM's offline engine (the baseline) adds them
+    all before it steps. Sent at once to a running engine, the requests
+    fall into steps as they happen to arrive, which varies from run to run,
+    and CPU GEMMs of another row count round otherwise (fp32 logprobs
+    moved by up to 1.6e-5): only requests admitted together can be compared
+    bit for bit.
+
+    vLLM's ``/pause?mode=keep`` (its scheduler holds new requests, the
+    prefix cache cleared) and ``/resume`` are development endpoints
+    (``VLLM_SERVER_DEV_MODE=1``); ``--enable-log-requests`` makes the server
+    log ``Added request`` once it passed a request to its engine, over the
+    channel ``/resume`` then takes: :func:`admits_together` sets both
+    (:func:`start` for the attention role)."""
+    _post(f"{url}/pause?mode=keep")
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        sent: list[Future[Completion]] = []
+        try:
+            for i, job in enumerate(jobs):
+                added = log.added + 1
+                sent.append(pool.submit(complete, url, model, *job))
+                deadline = time.monotonic() + ADD_TIMEOUT_S
+                while not log.wait_added(added, 0.05):
+                    if sent[-1].done():
+                        sent[-1].result()  # its error, when it failed
+                        raise AssertionError(f"request {i} ended while paused")
+                    if time.monotonic() > deadline:
+                        raise AssertionError(
+                            f"the server at {url} did not log request {i} of "
+                            f"{len(jobs)} added ({ADDED!r}) within "
+                            f"{ADD_TIMEOUT_S:.0f}s of sending it"
+                        )
+        finally:
+            _post(f"{url}/resume")
+        return [f.result() for f in sent]
 
 
 def warm_up(url: str, texts: list[str]) -> None:
@@ -401,13 +467,13 @@ class PlainRunner:
     engine, settings and requests (``ignore_eos``, the same new-token counts).
 
     Serves CPU servers of one worker (no ``--tensor-parallel-size`` or
-    ``--data-parallel-size`` above 1) with ``--dtype float32`` and their KV
-    cache sized by their arguments (``BASE_ARGS``); the others run
-    as servers. In bf16 the offline engine is not the server's: in one
-    process vLLM cannot set OpenMP up as in its worker process, GEMMs split
-    their sums otherwise, and bf16 rounds that apart (7 of 16 greedy requests
-    of tiny DeepSeek-V3, compiled, differed); in fp32 the logprobs agree
-    within 1e-5 (``test_baseline.py``)."""
+    ``--data-parallel-size`` above 1) with their KV cache sized by their
+    arguments (``BASE_ARGS``), in any dtype; the others run as servers. The
+    engine takes the server's token budget of a step (``plain_runner.py``),
+    and its first step holds every request, so a server whose requests were
+    admitted together (:func:`run_workload` with ``log``) answers bit for
+    bit as it does, in fp32 and bf16, eager and compiled
+    (``test_baseline.py``)."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
@@ -419,10 +485,8 @@ class PlainRunner:
         argv = server.process.argv
         many = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
         wide = any(a in many and argv[i + 1] != "1" for i, a in enumerate(argv[:-1]))
-        dtypes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--dtype"]
-        fp32 = bool(dtypes) and dtypes[-1] == "float32"
         sized = "--kv-cache-memory-bytes" in argv  # this process has no KV_ENV
-        return fp32 and sized and not wide and not cuda_visible()
+        return sized and not wide and not cuda_visible()
 
     def _start(self) -> None:
         read, write = os.pipe()
@@ -936,15 +1000,26 @@ __all__ = ["Deployment", "PlainServer"]
 
 
 class LogSink(io.StringIO):
-    """Collects the launcher's prefixed role logs (thread-safe)."""
+    """Collects the launcher's prefixed role logs (thread-safe), and counts
+    the requests an API server logged added (:data:`ADDED`; role pumps write
+    whole lines)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
+        self._wrote = threading.Condition(self._lock)
+        self.added = 0
 
     def write(self, s: str) -> int:
         with self._lock:
+            self.added += s.count(ADDED)
+            self._wrote.notify_all()
             return super().write(s)
+
+    def wait_added(self, n: int, timeout: float) -> bool:
+        """Whether :attr:`added` reached ``n`` within ``timeout`` s."""
+        with self._wrote:
+            return self._wrote.wait_for(lambda: self.added >= n, timeout)
 
 
 def print_log_tail(log: LogSink, lines: int = 200) -> None:
@@ -957,11 +1032,15 @@ def print_log_tail(log: LogSink, lines: int = 200) -> None:
 
 def start(spec: DeploymentSpec, **kw: Any) -> tuple[Deployment, LogSink]:
     """A started deployment and its role logs; when it fails to start, the
-    error carries the logs' last lines (the cause is in them)."""
+    error carries the logs' last lines (the cause is in them). Its attention
+    API server can pause and logs the requests it adds
+    (:func:`_admitted_together`)."""
     log = LogSink()
     afd = Deployment(spec, log=log)
     for proc in afd.processes:
         proc.env = server_env(spec, proc.env)
+        if proc.name == "attention" and not proc.headless:
+            admits_together(proc)
     try:
         afd.start(**kw)
     except LaunchError as e:
@@ -1021,7 +1100,11 @@ def afd_vs_plain(
     if then is not None:
         POOL.prestart_deployment(then)
     try:
-        afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
+        # one attention rank: its requests admitted together (run_workload)
+        one = spec.attention_ranks == 1
+        afd_out = run_workload(
+            afd.api_url, served_model(afd.api_url), texts, log=log if one else None
+        )
         counters = {}
         if metrics is not None:
             url = afd.ffn.url if metrics == "ffn" else afd.api_url

@@ -33,18 +33,28 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
 
 def _engine_kwargs(model: str, args: list[str]) -> dict:
     """``LLM`` keyword arguments of ``vllm serve MODEL ARGS``: the fields of
-    vLLM's own parse of that command line that differ from their defaults."""
+    vLLM's own parse of that command line that differ from their defaults,
+    and the server's token budget of a step where the command line leaves
+    it to vLLM: vLLM's default depends on who builds the engine (on CPU 2048
+    for a server, 4096 for ``LLM``), and a step of another budget holds
+    other rows, which fp32 GEMMs round otherwise."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *args]))
     default = EngineArgs(model=model)
-    return {
+    kwargs = {
         f.name: getattr(parsed, f.name)
         for f in dataclasses.fields(EngineArgs)
         if f.init and getattr(parsed, f.name) != getattr(default, f.name)
     } | {"model": model}
+    if parsed.max_num_batched_tokens is None:
+        world = parsed.pipeline_parallel_size * parsed.tensor_parallel_size
+        budgets, _ = EngineArgs.get_batch_defaults(world)
+        kwargs["max_num_batched_tokens"] = budgets[UsageContext.OPENAI_API_SERVER]
+    return kwargs
 
 
 def _run(request: dict) -> dict:
