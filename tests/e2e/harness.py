@@ -404,11 +404,13 @@ def plain_outputs(
     ready_timeout: float = 600.0,
     env: dict[str, str] | None = None,
     warmup: bool = False,
+    together: bool = False,
 ) -> list[Completion]:
     """The workload's outputs from plain vLLM with ``spec``'s settings
     (``devices`` sets its ``CUDA_VISIBLE_DEVICES``, ``env`` adds environment
     variables; ``warmup``: the workload once before, its outputs dropped, see
-    :func:`warm_up`).
+    :func:`warm_up`; ``together``: a plain server's requests admitted
+    together, see :func:`run_workload`, as :data:`PLAIN_RUNNER`'s always are).
 
     Once per session for the same server command line (less its port),
     environment additions, prompts and warm-up: later calls get the first
@@ -417,7 +419,7 @@ def plain_outputs(
     against the same baseline share one run; the server itself stays in
     :data:`POOL` while later tests may want it running (``vllm-afd bench``
     against it)."""
-    server = POOL.plain_server(spec, log=log, devices=devices, env=env)
+    server = POOL.plain_server(spec, log, devices, env, together)
     key = (POOL.plain_key(server), tuple(texts), warmup)
     if key in _PLAIN_RUNS:
         return list(_PLAIN_RUNS[key])
@@ -433,19 +435,22 @@ def plain_outputs(
     if warmup:
         warm_up(plain.url, texts)
     try:
-        out = run_workload(plain.url, served_model(plain.url), texts)
+        admitted = plain.log if together else None
+        out = run_workload(plain.url, served_model(plain.url), texts, log=admitted)
     finally:
         POOL.trim()
     _PLAIN_RUNS[key] = out
     return list(out)
 
 
-def prestart_plain(spec: DeploymentSpec, texts: list[str | Chat]) -> None:
+def prestart_plain(
+    spec: DeploymentSpec, texts: list[str | Chat], together: bool = False
+) -> None:
     """Begin what :func:`plain_outputs` will need for ``spec`` and ``texts``
     (nothing when their outputs are known): :data:`PLAIN_RUNNER` computes
     them on a thread, or the plain server starts (``POOL.prestart``), while
     the test starts its AFD deployment."""
-    server = POOL.plain_server(spec)
+    server = POOL.plain_server(spec, together=together)
     key = (POOL.plain_key(server), tuple(texts), False)
     if key in _PLAIN_RUNS or key in _PLAIN_PENDING:
         return
@@ -517,7 +522,9 @@ class PlainRunner:
         for flag in ("--host", "--port"):
             i = args.index(flag)
             del args[i : i + 2]
-        # a chat request as its messages (``plain_runner.py``: ``LLM.chat``)
+        # a server's logging (admits_together), no engine argument
+        args = [a for a in args if a != "--enable-log-requests"]
+        # a chat request as its messages (``plain_runner.py``: ``LLM.enqueue_chat``)
         sent = [(p.messages() if isinstance(p, Chat) else p, n) for p, n in jobs]
         request = {"model": model, "args": args, "jobs": sent}
         self._proc.stdin.write((json.dumps(request) + "\n").encode())
@@ -714,15 +721,21 @@ class ServerPool:
         log: Any = None,
         devices: str | None = None,
         env: dict[str, str] | None = None,
+        together: bool = False,
     ) -> PlainServer:
         """A plain vLLM server (not started) of ``spec``'s model and settings,
-        ``env`` added to its environment, ``devices`` its GPUs."""
+        ``env`` added to its environment, ``devices`` its GPUs; ``together``:
+        it takes workloads admitted together (:func:`admits_together`; its
+        ``log`` a :class:`LogSink` that passes lines on to ``log``)."""
         # a port of its own: it may start while the deployment of the same
         # spec (whose port the baseline takes otherwise) starts beside it
         server = PlainServer(spec, log=log, port=free_port())
         server.process.env = {**server_env(spec, server.process.env), **(env or {})}
         if devices is not None:
             server.process.env["CUDA_VISIBLE_DEVICES"] = devices
+        if together:
+            server.log = LogSink(tee=log)
+            admits_together(server.process)
         return server
 
     def running(self, server: PlainServer, ready_timeout: float = 600.0) -> PlainServer:
@@ -1004,13 +1017,17 @@ class LogSink(io.StringIO):
     the requests an API server logged added (:data:`ADDED`; role pumps write
     whole lines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tee: Any = None) -> None:
+        """``tee``: where lines go too (a text sink; None: nowhere)."""
         super().__init__()
         self._lock = threading.Lock()
         self._wrote = threading.Condition(self._lock)
         self.added = 0
+        self._tee = tee
 
     def write(self, s: str) -> int:
+        if self._tee is not None:
+            self._tee.write(s)
         with self._lock:
             self.added += s.count(ADDED)
             self._wrote.notify_all()

@@ -13,8 +13,9 @@ state is then half built); the harness starts a new one for the next.
 
 Request: ``{"model": str, "args": [vLLM CLI args], "jobs": [[prompt,
 max_tokens], ...]}``, a prompt being a text or a chat request's messages
-(``LLM.chat``, as the server's ``/v1/chat/completions`` renders and processes
-them; texts first, then the chats, on the same engine). Answer:
+(``LLM.enqueue_chat``, as the server's ``/v1/chat/completions`` renders and
+processes them), every request queued in the workload's order before the
+engine steps. Answer:
 ``{"outputs": [{"token_ids": [...], "top_logprobs": [[[id, logprob], ...],
 ...]}, ...]}`` or ``{"error": str}``.
 """
@@ -71,19 +72,14 @@ def _run(request: dict) -> dict:
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
             for _, n in jobs
         ]
-        texts = [i for i, (prompt, _) in enumerate(jobs) if isinstance(prompt, str)]
-        chats = [i for i, (prompt, _) in enumerate(jobs) if not isinstance(prompt, str)]
-        done = {}
-        if texts:
-            prompts = [jobs[i][0] for i in texts]
-            picked = [params[i] for i in texts]
-            outs = llm.generate(prompts, picked, use_tqdm=False)
-            done |= dict(zip(texts, outs, strict=True))
-        if chats:
-            messages = [jobs[i][0] for i in chats]
-            picked = [params[i] for i in chats]
-            outs = llm.chat(messages, picked, use_tqdm=False)
-            done |= dict(zip(chats, outs, strict=True))
+        # every request queued, in the workload's order, before the engine
+        # steps (the engine is in this process: nothing steps until asked)
+        for (prompt, _), param in zip(jobs, params, strict=True):
+            enqueue = llm.enqueue if isinstance(prompt, str) else llm.enqueue_chat
+            enqueue([prompt], [param], use_tqdm=False)
+        # in the order queued (vLLM sorts them by request number)
+        done = llm.wait_for_completion(use_tqdm=False)
+        assert len(done) == len(jobs), (len(done), len(jobs))
         outputs = []
         for i in range(len(jobs)):
             sample = done[i].outputs[0]

@@ -18,8 +18,6 @@ import pytest
 from harness import (
     PLAIN_RUNNER,
     POOL,
-    LogSink,
-    admits_together,
     assert_same_outputs,
     make_spec,
     plain_outputs,
@@ -38,12 +36,10 @@ def test_the_baseline_answers_as_a_plain_vllm_server(family_models, dtype):
     if not PLAIN_RUNNER.serves(POOL.plain_server(spec)):
         pytest.skip("plain baselines run as servers here (a CUDA device is visible)")
     baseline = plain_outputs(spec, texts)
-    log = LogSink()
-    server = POOL.plain_server(spec, log=log)
-    admits_together(server.process)
-    server = POOL.running(server)
+    server = POOL.running(POOL.plain_server(spec, together=True))
     try:
-        served = run_workload(server.url, served_model(server.url), texts, log=log)
+        url = server.url
+        served = run_workload(url, served_model(url), texts, log=server.log)
     finally:
         POOL.trim()
     assert_same_outputs(served, baseline, atol=0.0)
