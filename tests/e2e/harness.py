@@ -321,8 +321,10 @@ def run_workload(
     """All prompts at once (a :class:`Chat` as a chat request); even ones
     streamed; 32-64 new tokens. ``only``: these requests of the workload
     (each as the whole workload sends it). ``log``: the server's, when it
-    was started by :func:`start` with one attention rank: the requests are
-    then admitted together (:func:`_admitted_together`)."""
+    takes a workload admitted together (:func:`admits_together`: the
+    attention server of a :func:`start` deployment, a plain server of
+    ``POOL.plain_server(together=True)``); one API server of one engine
+    then admits the requests together (:func:`_admitted_together`)."""
     jobs = [(p, n, i % 2 == 0) for i, (p, n) in enumerate(workload_jobs(texts))]
     if only is not None:
         jobs = [jobs[i] for i in only]
