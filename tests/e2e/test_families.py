@@ -82,6 +82,8 @@ LAYOUTS = {
     # openPangu Embedded: grouped-query attention with biases, Ultra's block
     "pangu_embedded": ([1, 2], [0]),
     "olmoe": ([0, 1, 2], []),  # q/k norms, softmax top-k not renormalised
+    # Phi-MoE: LayerNorm, attention biases, sparsemixer top-2
+    "phimoe": ([0, 1, 2], []),
     "granitemoe": ([0, 1, 2], []),  # multipliers; checkpoint router renamed
     "ernie4_5_moe": ([1, 2], [0]),  # shared expert, score bias beside the gate
     "gpt_oss": ([0, 1, 2], []),  # router with bias, expert biases, sinks
@@ -110,6 +112,7 @@ EXPERTS = {
     "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
     "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16, "param2moe": 16,
     "step3_text": 8, "pangu_ultra_moe": 16, "pangu_embedded": 8, "aria": 8,
+    "phimoe": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
@@ -166,6 +169,7 @@ CASES = [
     ("pangu_ultra_moe", 1, 1, True, "p2p"),
     ("pangu_embedded", 1, 1, True, "p2p"),
     ("olmoe", 1, 1, True, "p2p"),
+    ("phimoe", 1, 1, True, "p2p"),
     ("granitemoe", 1, 1, True, "p2p"),
     ("ernie4_5_moe", 1, 1, True, "p2p"),
     ("gpt_oss", 2, 1, True, "p2p"),

@@ -180,6 +180,13 @@ HF_LAYOUTS = {
         "model.layers.1.block_sparse_moe.gate.weight",
         "model.layers.0.block_sparse_moe.experts.7.w2.weight",  # all MoE
     ),
+    # vLLM's registry name, not transformers' (PhimoeForCausalLM), and the
+    # attention biases vLLM's module builds
+    "phimoe": (
+        "PhiMoEForCausalLM",
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "model.layers.0.self_attn.o_proj.bias",
+    ),
     "glm4_moe": (
         "Glm4MoeForCausalLM",
         "model.layers.1.mlp.gate.e_score_correction_bias",

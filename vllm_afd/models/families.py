@@ -140,6 +140,16 @@ FAMILIES: tuple[Family, ...] = (
         attention=("MixtralAttention",),
     ),
     Family(
+        # Phi-MoE (Phi-3.5-MoE): Mixtral's layout with LayerNorm, attention
+        # biases and top-2 routing by sparsemixer (vLLM's routing function,
+        # carried by the router wherever the gate runs)
+        name="phimoe",
+        module="phimoe",
+        archs=("PhiMoEForCausalLM",),
+        dense_mlp=None,
+        attention=("PhiMoEAttention",),
+    ),
+    Family(
         name="glm4_moe",
         module="glm4_moe",
         archs=("Glm4MoeForCausalLM",),

@@ -23,10 +23,6 @@ from vllm_afd.models.families import family_of, vllm_module_path
 
 #: what was found where an architecture was tried with a tiny checkpoint
 TRIED: dict[str, str] = {
-    "PhiMoEForCausalLM": (
-        "plain vLLM's load of a transformers-written checkpoint fails "
-        "(`too many values to unpack`); no record yet"
-    ),
     "JambaForCausalLM": (
         "plain vLLM cannot serve it on CPU: its Mamba layers call a "
         "selective-scan kernel (`selective_scan_fwd`) the CPU build lacks; "

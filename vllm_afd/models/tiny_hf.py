@@ -18,6 +18,7 @@ Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,13 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": (
         "OlmoeConfig",
         dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
+    # Every layer MoE, no shared experts, LayerNorm, attention biases (vLLM's
+    # module builds them whatever the config says; the releases have them),
+    # top-2 routing by sparsemixer (a routing function of vLLM's own).
+    "phimoe": (
+        "PhimoeConfig",
+        dict(num_local_experts=8, num_experts_per_tok=2, attention_bias=True),
     ),
     # Every layer MoE, embedding, residual, attention and logit multipliers.
     "granitemoe": (
@@ -370,7 +378,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 #: layers): it is the tiny models' expert width
 _EXPERT_WIDE = (
     "mixtral", "olmoe", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss",
-    "cohere2_moe", "granitemoehybrid", "aria",
+    "cohere2_moe", "granitemoehybrid", "aria", "phimoe",
 )  # fmt: skip
 
 # families whose releases ship their config class as code of their own: the
@@ -660,8 +668,20 @@ def write_hf_weights(
         for name, tensor in model.state_dict().items():
             tensor.copy_(draw(seed, name, tuple(tensor.shape), _kind(name)))
     model.to(dtype).save_pretrained(out, safe_serialization=True)
+    if config.model_type == "phimoe":
+        _name_architecture(out, "PhiMoEForCausalLM")
     if config.model_type == "axk1":
         _axk1_dense_layer_norms(config, out, draw, seed, dtype)
+
+
+def _name_architecture(out: Path, name: str) -> None:
+    """Write ``name`` as the checkpoint's architecture: transformers saves its
+    own class name, where vLLM's registry knows the family by another (Phi-MoE:
+    ``PhimoeForCausalLM`` would be served by vLLM's Transformers backend)."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = [name]
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _axk1_dense_layer_norms(
