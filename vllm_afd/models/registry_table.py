@@ -34,9 +34,13 @@ TRIED: dict[str, str] = {
         "transformers-written checkpoint; no record yet"
     ),
     "LongcatFlashForCausalLM": (
-        "vLLM's module reads config keys that transformers' "
-        "`LongcatFlashConfig` does not write (`mla_scale_q_lora`): plain vLLM "
-        "fails on a transformers-written checkpoint; no record yet"
+        "plain vLLM cannot serve it on CPU: a tiny checkpoint with the "
+        "release's config keys (`mla_scale_q_lora`, `mla_scale_kv_lora`, "
+        "`zero_expert_type`, which transformers' `LongcatFlashConfig` does not "
+        "write) and without weights for the zero-computation experts loads, "
+        "and its first step fails in the zero-expert router, which calls a "
+        "CUDA kernel the CPU build lacks (`'_moe_C' object has no attribute "
+        "'topk_softmax'`); no record until it is tried on a GPU host"
     ),
     "Lfm2MoeForCausalLM": (
         "plain vLLM does not match transformers on a transformers-written "
