@@ -98,6 +98,8 @@ LAYOUTS = {
     "gemma4": ([0, 1, 2], [0, 1, 2]),
     "mimo_v2": ([1, 2], [0]),  # sliding layers with sinks; bias on the gate
     "hy_v3": ([1, 2], [0]),  # shared expert, score bias held by the block
+    # AFMoE: shared expert, score bias held by the block, gated attention
+    "afmoe": ([1, 2], [0]),
     # Aria's text model: a router weight held by the block, fused experts
     "aria": ([0, 1, 2], []),
 }
@@ -112,7 +114,7 @@ EXPERTS = {
     "mistral_large_3": 16, "bailing_moe": 8, "bailing_moe_v2": 16,
     "deepseek_moe": 8, "sarvam_moe": 8, "sarvam_mla": 16, "param2moe": 16,
     "step3_text": 8, "pangu_ultra_moe": 16, "pangu_embedded": 8, "aria": 8,
-    "phimoe": 8,
+    "phimoe": 8, "afmoe": 8,
 }  # fmt: skip
 #: families whose MoE layers have shared experts
 SHARED = (
@@ -120,7 +122,7 @@ SHARED = (
     "ernie4_5_moe", "llama4", "qwen3_next", "exaone_moe", "cohere2_moe", "hy_v3",
     "axk1", "mistral_large_3", "bailing_moe", "bailing_moe_v2", "deepseek_moe",
     "sarvam_moe", "sarvam_mla", "param2moe", "pangu_ultra_moe", "pangu_embedded",
-    "aria",
+    "aria", "afmoe",
 )  # fmt: skip
 #: families served in another dtype than fp32 on CPU: vLLM's CPU kernel of
 #: Qwen3-Next's gated delta-net attention asserts "CPU GDN attention requires
@@ -184,6 +186,7 @@ CASES = [
     ("gemma4", 1, 1, True, "p2p"),
     ("mimo_v2", 1, 1, True, "p2p"),
     ("hy_v3", 1, 1, True, "p2p"),
+    ("afmoe", 1, 1, True, "p2p"),
     ("aria", 1, 1, True, "p2p"),
     ("glm4_moe", 2, 2, True, "async"),
     # expert biases cut with the weights; its loader handed each all-expert

@@ -187,6 +187,12 @@ HF_LAYOUTS = {
         "model.layers.1.block_sparse_moe.gate.weight",
         "model.layers.0.self_attn.o_proj.bias",
     ),
+    # the score bias on the block, a first dense layer
+    "afmoe": (
+        "AfmoeForCausalLM",
+        "model.layers.1.mlp.expert_bias",
+        "model.layers.0.mlp.gate_proj.weight",
+    ),
     "glm4_moe": (
         "Glm4MoeForCausalLM",
         "model.layers.1.mlp.gate.e_score_correction_bias",

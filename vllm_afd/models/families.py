@@ -425,6 +425,17 @@ FAMILIES: tuple[Family, ...] = (
         attention=("Step3TextAttention",),
     ),
     Family(
+        # AFMoE (Arcee's Trinity): a first dense layer, a shared expert,
+        # sigmoid grouped top-k with a bias the MoE block holds itself,
+        # routed scaling; gated attention with q/k norms, sliding windows
+        name="afmoe",
+        module="afmoe",
+        archs=("AfmoeForCausalLM",),
+        dense_mlp="AfmoeMLP",
+        attention=("AfmoeAttention",),
+        gate_parts=("expert_bias",),
+    ),
+    Family(
         # HY-V3 (Hunyuan 3): a first dense layer, a shared expert, sigmoid
         # scores with a bias the MoE block holds itself, routed scaling
         name="hy_v3",

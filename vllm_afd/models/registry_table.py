@@ -28,11 +28,6 @@ TRIED: dict[str, str] = {
         "selective-scan kernel (`selective_scan_fwd`) the CPU build lacks; "
         "no record until it is tried on a GPU host"
     ),
-    "AfmoeForCausalLM": (
-        "vLLM's module reads config keys that transformers' `AfmoeConfig` "
-        "does not write (`score_func`): plain vLLM fails on a "
-        "transformers-written checkpoint; no record yet"
-    ),
     "LongcatFlashForCausalLM": (
         "plain vLLM cannot serve it on CPU: a tiny checkpoint with the "
         "release's config keys (`mla_scale_q_lora`, `mla_scale_kv_lora`, "

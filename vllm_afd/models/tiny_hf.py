@@ -104,6 +104,20 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "OlmoeConfig",
         dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
     ),
+    # AFMoE: a first dense layer, a shared expert, sigmoid top-k with a bias
+    # the block holds, routed scaling; gated attention with q/k norms,
+    # sliding and full layers (the release's routing keys:
+    # :func:`_afmoe_release_keys`).
+    "afmoe": (
+        "AfmoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.0,
+        ),
+    ),
     # Every layer MoE, no shared experts, LayerNorm, attention biases (vLLM's
     # module builds them whatever the config says; the releases have them),
     # top-2 routing by sparsemixer (a routing function of vLLM's own).
@@ -567,6 +581,8 @@ def hf_config(
     ]
     if arch == "mimo_v2":
         _mimo_v2_release_keys(config)
+    if arch == "afmoe":
+        _afmoe_release_keys(config)
     return config
 
 
@@ -640,6 +656,22 @@ def _mimo_v2_release_keys(config: Any) -> None:
     config.rope_theta = rope["full_attention"]["rope_theta"]
     config.swa_rope_theta = rope["sliding_attention"]["rope_theta"]
     config.partial_rotary_factor = rope["full_attention"]["partial_rotary_factor"]
+
+
+def _afmoe_release_keys(config: Any) -> None:
+    """Add the routing keys of AFMoE's release, which vLLM's module reads
+    (transformers' config class routes by sigmoid scores, renormalised, in
+    one group, and writes none of them), and alternate sliding and full
+    attention layers with a window shorter than the test prompts."""
+    config.score_func = "sigmoid"
+    config.route_norm = True
+    config.n_group = 1
+    config.topk_group = 1
+    config.layer_types = [
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(config.num_hidden_layers)
+    ]
+    config.sliding_window = 64
 
 
 def write_hf_weights(
