@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from vllm_afd.deploy.logs import (
     is_exception_line,
     shown_on_console,
 )
+from vllm_afd.deploy.process import rpc_dir_fits
 
 #: what vLLM 0.32.0 printed when the attention role could not get its memory
 #: (shortened): the root cause first, then the generic wrappers
@@ -193,8 +196,8 @@ def test_a_sink_closed_while_the_role_writes_is_dropped_and_the_pipe_drained(
 #: ZMQ IPC sockets, says where, and runs until it is stopped (by a signal,
 #: which leaves the socket file behind)
 BINDS_A_SOCKET = """
-import os, socket, time
-path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "engine.sock")
+import os, socket, time, uuid
+path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4()))
 socket.socket(socket.AF_UNIX).bind(path)
 print("bound", path, flush=True)
 time.sleep(120)
@@ -217,26 +220,62 @@ def test_a_role_keeps_vllms_sockets_in_a_directory_removed_at_stop(
     processes end by a signal; each role process gets a directory of its own
     for them, and stopping the role removes it."""
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    proc = RoleProcess("attention", [sys.executable, "-c", BINDS_A_SOCKET], 1, {})
+    # a temporary directory as short as a host's (vLLM names its sockets by
+    # a UUID; the test's own directory may be too deep for a socket path)
+    tmp = tempfile.mkdtemp(prefix="afd-test-", dir="/tmp")
+    monkeypatch.setattr("tempfile.tempdir", tmp)
+    try:
+        proc = RoleProcess("attention", [sys.executable, "-c", BINDS_A_SOCKET], 1, {})
+        console = io.StringIO()
+        proc.start(console)
+        path = _bound_socket(console, proc)
+        assert os.path.dirname(path) == proc.rpc_dir
+        assert os.path.basename(proc.rpc_dir).startswith("afd-")
+        assert os.path.dirname(proc.rpc_dir) == tmp
+        proc.stop(10)
+        assert not os.path.exists(path)
+        assert os.listdir(tmp) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_temporary_directory_too_deep_for_our_socket_directory_is_left_to_vllm(
+    tmp_path, monkeypatch
+):
+    """Where vLLM's socket paths (a UUID each) would not fit in a directory
+    of our own, the role leaves VLLM_RPC_BASE_PATH unset: vLLM uses the
+    temporary directory itself, as without AFD."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    # 62 characters where the test's directory is shorter: vLLM's own socket
+    # paths would fit there (at most 70), a directory of ours would not
+    deep = tmp_path / ("d" * max(1, 62 - len(str(tmp_path)) - 1))
+    deep.mkdir()
+    assert not rpc_dir_fits(str(deep))
+    assert rpc_dir_fits("/tmp")
+    monkeypatch.setattr("tempfile.tempdir", str(deep))
+    shows = 'import os; print("base", os.environ.get("VLLM_RPC_BASE_PATH"))'
+    proc = RoleProcess("attention", [sys.executable, "-c", shows], 1, {})
     console = io.StringIO()
     proc.start(console)
-    path = _bound_socket(console, proc)
-    assert os.path.dirname(path) == proc.rpc_dir
-    assert os.path.basename(proc.rpc_dir).startswith("vllm-afd-attention-")
-    assert os.path.dirname(proc.rpc_dir) == str(tmp_path)
+    deadline = time.monotonic() + 30
+    while "base " not in console.getvalue():
+        assert time.monotonic() < deadline, "the role printed no line in 30 s"
+        time.sleep(0.05)
+    assert "base None" in console.getvalue() and proc.rpc_dir is None
     proc.stop(10)
-    assert not os.path.exists(path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_socket_directory_the_user_gives_is_used_and_kept(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    env = {"VLLM_RPC_BASE_PATH": str(mine)}
-    proc = RoleProcess("attention", [sys.executable, "-c", BINDS_A_SOCKET], 1, env)
-    console = io.StringIO()
-    proc.start(console)
-    assert _bound_socket(console, proc) == str(mine / "engine.sock")
-    proc.stop(10)
-    assert proc.rpc_dir is None and mine.is_dir()
+    mine = tempfile.mkdtemp(prefix="afd-test-", dir="/tmp")  # short: see above
+    try:
+        env = {"VLLM_RPC_BASE_PATH": mine}
+        argv = [sys.executable, "-c", BINDS_A_SOCKET]
+        proc = RoleProcess("attention", argv, 1, env)
+        console = io.StringIO()
+        proc.start(console)
+        assert os.path.dirname(_bound_socket(console, proc)) == mine
+        proc.stop(10)
+        assert proc.rpc_dir is None and os.path.isdir(mine)
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

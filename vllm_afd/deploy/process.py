@@ -109,11 +109,15 @@ class RoleProcess:
                 os.close(fd)
             Path(self.stop_note).write_text("")
             env = {**env, envs.AFD_STOP_NOTE: self.stop_note}
-        if RPC_PATH_VAR not in env and RPC_PATH_VAR not in os.environ:
+        if (
+            RPC_PATH_VAR not in env
+            and RPC_PATH_VAR not in os.environ
+            and rpc_dir_fits(tempfile.gettempdir())
+        ):
             # vLLM names its sockets in the system's temporary directory and
             # leaves them there when its processes end by a signal
             if self.rpc_dir is None:
-                self.rpc_dir = tempfile.mkdtemp(prefix=f"vllm-afd-{self.label}-")
+                self.rpc_dir = tempfile.mkdtemp(prefix=RPC_DIR_PREFIX)
             env = {**env, RPC_PATH_VAR: self.rpc_dir}
         self.proc = spawn(self.argv, env)
         self._pump = threading.Thread(
@@ -234,9 +238,23 @@ GROUP_GRACE_S = 5.0
 #: temporary directory); a role process not given one gets a directory of
 #: its own, removed when it stops
 RPC_PATH_VAR = "VLLM_RPC_BASE_PATH"
-#: seconds an FFN rank must run before its restarts in a row count from 0
+#: the name of that directory: ``tempfile.mkdtemp`` adds 8 characters
+RPC_DIR_PREFIX = "afd-"
+#: a socket path's longest length (``sun_path`` is 108 bytes with its NUL)
+UNIX_PATH_MAX = 107
+#: what vLLM adds to its socket directory: ``/`` and a UUID
+VLLM_SOCKET_NAME_LEN = 1 + 36
+#: seconds a stop of a deployment still starting waits for every role (vLLM
 #: defers SIGTERM while its API server waits for the engine to be ready)
 STARTING_STOP_S = 5.0
+
+
+def rpc_dir_fits(tmp: str) -> bool:
+    """Whether vLLM's socket paths fit in a directory of our own under
+    ``tmp``. Where they would not, a role leaves ``VLLM_RPC_BASE_PATH`` unset
+    and vLLM names its sockets in ``tmp`` itself, as it would without AFD."""
+    ours = len(os.path.join(tmp, RPC_DIR_PREFIX)) + 8
+    return ours + VLLM_SOCKET_NAME_LEN <= UNIX_PATH_MAX
 
 
 def group_members(pgid: int) -> list[int]:
