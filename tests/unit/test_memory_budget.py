@@ -24,18 +24,24 @@ def _kv(budget) -> int:
     return int(args[args.index("--kv-cache-memory-bytes") + 1])
 
 
+@pytest.mark.parametrize("room", [None, GiB], ids=["capped", "split"])
 @pytest.mark.parametrize("attention,ffn", [(1, 1), (2, 1), (3, 1), (2, 2)])
-def test_cpu_budget_splits_what_is_left_over_the_attention_workers(attention, ffn):
-    available = int(20.93 * GiB)  # what the 24 GiB CI host had free
+def test_cpu_budget_splits_what_is_left_over_the_attention_workers(
+    attention, ffn, room
+):
+    """``room``: RAM left beside the role processes (None: what the 24 GiB CI
+    host had free, where every share is capped)."""
     weights = 5 * 2**20
+    reserved = CPU_PROCESS_BYTES * (attention + ffn) + weights * (1 + ffn)
+    available = int(20.93 * GiB) if room is None else reserved + room
     budget = cpu_budget(
         attention_workers=attention, ffn_workers=ffn,
         weight_bytes=weights, available=available,
     )  # fmt: skip
-    reserved = CPU_PROCESS_BYTES * (attention + ffn) + weights * (1 + ffn)
     kv = _kv(budget)
     share = (available - reserved) * KV_SHARE / attention
     assert kv == pytest.approx(min(share, MAX_AUTO_KV_BYTES), abs=2**20)
+    assert (kv < MAX_AUTO_KV_BYTES) == (room is not None)
     # Everything asked for fits in what was available, with room to spare.
     assert attention * kv + reserved < available
     assert budget.ffn_args == ()  # the FFN role holds no KV cache

@@ -46,8 +46,9 @@ KV_SHARE = 0.8
 MIN_KV_BYTES = 256 * MiB
 #: the largest KV cache per attention worker the launcher gives on its own:
 #: vLLM's CPU worker zeroes it at start (~5 s per GiB on two cores), and a
-#: CPU deployment is for trying AFD; set ``--kv-cache-memory-bytes`` for more
-MAX_AUTO_KV_BYTES = 4 * GiB
+#: CPU deployment is for trying AFD (1 GiB holds ~10K tokens of a
+#: 30B-A3B-shaped Qwen3-MoE in bf16); set ``--kv-cache-memory-bytes`` for more
+MAX_AUTO_KV_BYTES = 1 * GiB
 #: vLLM's default --gpu-memory-utilization on CUDA
 GPU_UTILIZATION = 0.9
 #: GPU memory of an FFN rank beside its weights (activations, CUDA graphs)
