@@ -10,6 +10,8 @@ from typing import Any
 from harness import (
     Completion,
     Deployment,
+    LogSink,
+    admits_together,
     make_spec,
     plain_outputs,
     run_workload,
@@ -95,15 +97,29 @@ def afd_and_plain(
     vLLM on GPU 0, each in one server lifetime after a warm-up run of it
     (``harness.warm_up``), and the FFN's settled
     counters. ``env`` goes to every server; logs to ``tmp_path``. ``after``
-    runs on the AFD deployment once its counters are read, before it stops."""
+    runs on the AFD deployment once its counters are read, before it stops.
+
+    With one attention rank both sides take the measured workload admitted
+    together (``harness.run_workload`` with a log): the first step holds
+    every request, on AFD as on plain vLLM, so a comparison does not depend
+    on how the requests happened to fall into steps (GPU kernels, like CPU
+    GEMMs, are picked and round by a step's row count)."""
     env = env or {}
+    together = spec.attention_ranks == 1
     with (tmp_path / "afd.log").open("w") as log:
-        afd = Deployment(spec, log=log)
+        sink = LogSink(tee=log)
+        afd = Deployment(spec, log=sink)
         add_env(afd, **env)
+        if together:
+            for proc in afd.processes:
+                if proc.name == "attention" and not proc.headless:
+                    admits_together(proc)
         try:
             afd.start(ready_timeout=600)
             warm_up(afd.api_url, texts)
-            afd_out = run_workload(afd.api_url, served_model(afd.api_url), texts)
+            admitted = sink if together else None
+            model = served_model(afd.api_url)
+            afd_out = run_workload(afd.api_url, model, texts, log=admitted)
             ffn = settled_metrics(afd.ffn.url)
             if after is not None:
                 after(afd)
@@ -111,7 +127,7 @@ def afd_and_plain(
             afd.stop()
     with (tmp_path / "plain.log").open("w") as log:
         plain_out = plain_outputs(
-            spec, texts, log=log, devices="0", env=env, warmup=True
+            spec, texts, log=log, devices="0", env=env, warmup=True, together=together
         )
     return afd_out, plain_out, ffn
 
