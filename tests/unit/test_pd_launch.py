@@ -11,7 +11,7 @@ import pytest
 from vllm_afd.cli import main as cli
 from vllm_afd.deploy import DeploymentSpec, LaunchError, role_processes
 from vllm_afd.deploy.commands import memory_budget
-from vllm_afd.deploy.memory import GPU_UTILIZATION
+from vllm_afd.deploy.memory import GPU_UTILIZATION, MAX_AUTO_KV_BYTES
 from vllm_afd.deploy.pd import (
     DEFAULT_KV_CONNECTOR,
     PREFILL_AFD_PORT_OFFSET,
@@ -127,8 +127,8 @@ def test_on_cpu_prefill_servers_share_the_kv_budget_of_the_host(monkeypatch) -> 
     size = budget.attention_args[1]
     prefills, _ = pd_processes(pd, KV, budget)
     assert vllm_arg(prefills[0].argv, "--kv-cache-memory-bytes") == size
-    # two KV holders of three workers: (24 - 3 * 3) * 0.8 / 2 GiB, at most 4
-    assert int(size) == 4 << 30
+    # two KV holders of three workers: (24 - 3 * 3) * 0.8 / 2 GiB, at most 1
+    assert int(size) == MAX_AUTO_KV_BYTES
     mine = PDSpec.make(
         _spec(cpu_workaround=True), prefill=1, port=9000,
         prefill_args=["--kv-cache-memory-bytes", "1G"],
@@ -239,17 +239,17 @@ def test_an_afd_prefill_deployment_is_its_own_deployment_and_the_kv_producer(
 def test_on_cpu_an_afd_prefill_deployment_takes_kv_and_ffn_shares(monkeypatch) -> None:
     import vllm_afd.deploy.commands as commands
 
-    monkeypatch.setattr(commands, "available_ram", lambda: 16 << 30)
+    monkeypatch.setattr(commands, "available_ram", lambda: 13 << 30)
     monkeypatch.setattr(commands, "checkpoint_bytes", lambda model: 0)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     plain = pd_budget(PDSpec.make(_spec(cpu_workaround=True), prefill=1, port=9000))
     afd = PDSpec.make(_spec(cpu_workaround=True), prefill=AFDPrefill(1, 1), port=9000)
     budget = pd_budget(afd)
     # one more worker (the prefill FFN rank) on the host: less per KV holder,
-    # (16 - 3 * 3) * 0.8 / 2 GiB against (16 - 4 * 3) * 0.8 / 2
+    # (13 - 3 * 3) * 0.8 / 2 GiB (capped at 1) against (13 - 4 * 3) * 0.8 / 2
     gib = 1 << 30
-    assert abs(int(plain.attention_args[1]) - 2.8 * gib) < 1 << 20  # MiB rounding
-    assert abs(int(budget.attention_args[1]) - 1.6 * gib) < 1 << 20
+    assert int(plain.attention_args[1]) == MAX_AUTO_KV_BYTES
+    assert abs(int(budget.attention_args[1]) - 0.4 * gib) < 1 << 20  # MiB rounding
     attention = role_processes(prefill_deployment_spec(afd, KV), budget=budget)[-1]
     size = vllm_arg(attention.argv, "--kv-cache-memory-bytes")
     assert size == budget.attention_args[1]
