@@ -342,6 +342,21 @@ def admits_together(proc: RoleProcess) -> None:
     proc.argv.append("--enable-log-requests")
 
 
+def attention_admits_together(afd: Deployment) -> None:
+    """:func:`admits_together` for the API server of ``afd``'s attention
+    role (not started yet; a headless rank has none)."""
+    for proc in afd.processes:
+        if proc.name == "attention" and not proc.headless:
+            admits_together(proc)
+
+
+def one_engine(spec: DeploymentSpec) -> bool:
+    """Whether ``spec``'s API server has one engine, which can admit a
+    workload together (one attention rank): with several, the requests are
+    spread over the ranks' engines by load."""
+    return spec.attention_ranks == 1
+
+
 def _post(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url, data=b""), timeout=60).close()
 
@@ -1058,8 +1073,7 @@ def start(spec: DeploymentSpec, **kw: Any) -> tuple[Deployment, LogSink]:
     afd = Deployment(spec, log=log)
     for proc in afd.processes:
         proc.env = server_env(spec, proc.env)
-        if proc.name == "attention" and not proc.headless:
-            admits_together(proc)
+    attention_admits_together(afd)
     try:
         afd.start(**kw)
     except LaunchError as e:
@@ -1119,10 +1133,9 @@ def afd_vs_plain(
     if then is not None:
         POOL.prestart_deployment(then)
     try:
-        # one attention rank: its requests admitted together (run_workload)
-        one = spec.attention_ranks == 1
+        admitted = log if one_engine(spec) else None
         afd_out = run_workload(
-            afd.api_url, served_model(afd.api_url), texts, log=log if one else None
+            afd.api_url, served_model(afd.api_url), texts, log=admitted
         )
         counters = {}
         if metrics is not None:

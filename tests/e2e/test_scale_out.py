@@ -36,6 +36,7 @@ from harness import (
     health_down,
     http_get,
     make_spec,
+    one_engine,
     plain_outputs,
     prestart_plain,
     print_log_tail,
@@ -100,8 +101,7 @@ def test_topology_greedy_output_equals_plain_vllm(
         url = afd.api_url
         served = served_model(url)
         began = time.monotonic()
-        # one attention rank's engine admits the workload together
-        admitted = log if a == 1 else None
+        admitted = log if one_engine(spec) else None
         afd_out = run_workload(url, served, texts, log=admitted)
         workload_s = time.monotonic() - began
         ffn_steps = [

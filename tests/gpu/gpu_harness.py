@@ -11,8 +11,9 @@ from harness import (
     Completion,
     Deployment,
     LogSink,
-    admits_together,
+    attention_admits_together,
     make_spec,
+    one_engine,
     plain_outputs,
     run_workload,
     served_model,
@@ -105,15 +106,13 @@ def afd_and_plain(
     on how the requests happened to fall into steps (GPU kernels, like CPU
     GEMMs, are picked and round by a step's row count)."""
     env = env or {}
-    together = spec.attention_ranks == 1
+    together = one_engine(spec)
     with (tmp_path / "afd.log").open("w") as log:
         sink = LogSink(tee=log)
         afd = Deployment(spec, log=sink)
         add_env(afd, **env)
         if together:
-            for proc in afd.processes:
-                if proc.name == "attention" and not proc.headless:
-                    admits_together(proc)
+            attention_admits_together(afd)
         try:
             afd.start(ready_timeout=600)
             warm_up(afd.api_url, texts)
