@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="routed experts per MoE layer, a multiple of the family's default "
-        "(not deepseek_v2/v3, step3p5, step3_text, hy_v3)",
+        "(not deepseek_v2/v3, step3p5, step3_text, hy_v3, dbrx)",
     )
     tiny.set_defaults(func=_tiny_model)
 

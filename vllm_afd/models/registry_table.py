@@ -48,9 +48,13 @@ TRIED: dict[str, str] = {
         "transformers on it"
     ),
     "DbrxForCausalLM": (
-        "transformers' own DBRX model does not build from its config class "
-        "(`DbrxAttentionConfig` has no `rope_theta`), so no tiny checkpoint "
-        "could be written; no record yet"
+        "plain vLLM cannot load a DBRX checkpoint on any device: its loader "
+        "maps the experts' `ffn.experts.mlp.{w1,v1,w2}` to "
+        "`ffn.experts.w13_weight` and `w2_weight`, while vLLM's MoE factory "
+        "holds them under `ffn.experts.routed_experts.`, so a tiny checkpoint "
+        "in the release's names (`vllm-afd tiny-model --arch dbrx`) stops at "
+        "load with `KeyError: 'blocks.0.ffn.experts.w13_weight'`; no record "
+        "until plain vLLM loads it"
     ),
     "DeepseekV4ForCausalLM": (
         "plain vLLM cannot serve it on a CPU without AVX-512 BF16: its CPU "

@@ -434,7 +434,7 @@ def check_num_experts(arch: str, num_experts: int) -> None:
 #: families plain vLLM serves on GPUs only (``vllm-afd demo`` offers the rest)
 GPU_ONLY_ARCHS = ("minimax_m2", "qwen3_5_moe", "step3p5", "granitemoehybrid")
 #: tiny families no record covers (docs/models.md says why): AFD refuses them
-UNSERVED_ARCHS = ("lfm2_moe",)
+UNSERVED_ARCHS = ("lfm2_moe", "dbrx")
 #: families AFD serves with the gate on the attention role only: a record's
 #: ``layer_holds_moe`` (no MoE block class the FFN role could run), and those
 #: whose layers run a dense MLP beside the MoE block (refused by the split)

@@ -46,6 +46,19 @@ loader does not map)::
     model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
     model.layers.N.mlp.shared_mlp.{gate,up,down}_proj.weight
 
+**DBRX.** transformers' ``DbrxConfig`` writes the config (its attention
+config with the ``rope_theta`` vLLM reads, which transformers' own model
+class lacks, so that class cannot build it); the weights are in the release's
+names, all experts of a layer in one tensor per projection::
+
+    transformer.blocks.N.norm_attn_norm.{norm_1,norm_2}.weight   LayerNorms (no bias)
+    transformer.blocks.N.norm_attn_norm.attn.{Wqkv,out_proj}.weight
+    transformer.blocks.N.ffn.router.layer.weight                 [E, H]  router
+    transformer.blocks.N.ffn.experts.mlp.{w1,v1,w2}              [E * I, H]
+
+The tiny model keeps DBRX's clipped QKV (``clip_qkv``), its LayerNorms
+without bias, softmax top-k renormalised, and every layer MoE.
+
 Used by :func:`vllm_afd.models.tiny_checkpoint.write_tiny_checkpoint`.
 """
 
@@ -317,12 +330,79 @@ def hy_v3_weight_specs(
     return specs
 
 
+def dbrx_config(
+    *,
+    num_layers: int,
+    vocab_size: int,
+    hidden_size: int,
+    dtype: str,
+    special_ids: dict[str, int],
+    max_positions: int,
+) -> dict[str, Any]:
+    """The ``config.json`` of a tiny DBRX model (every layer MoE)."""
+    import transformers
+
+    attn = {"kv_n_heads": _KV_HEADS, "clip_qkv": 8.0, "rope_theta": 10000.0}
+    ffn = {
+        "ffn_act_fn": {"name": "silu"},
+        "ffn_hidden_size": hidden_size // 2,
+        "moe_num_experts": _EXPERTS,
+        "moe_top_k": _TOP_K,
+        "moe_normalize_expert_weights": 1.0,
+    }
+    config = transformers.DbrxConfig(
+        d_model=hidden_size,
+        n_heads=_HEADS,
+        n_layers=num_layers,
+        max_seq_len=max_positions,
+        vocab_size=vocab_size,
+        attn_config=attn,
+        ffn_config=ffn,
+        tie_word_embeddings=False,
+        dtype=dtype,
+        **special_ids,
+    ).to_dict()
+    # the sub-configs as the release writes them: transformers' own add
+    # bookkeeping keys vLLM refuses, and drop ``rope_theta``, which it reads
+    config.update(architectures=["DbrxForCausalLM"], attn_config=attn, ffn_config=ffn)
+    return config
+
+
+def dbrx_weight_specs(
+    config: dict[str, Any],
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Map checkpoint tensor name -> (shape, init kind) of ``config``."""
+    h, vocab = config["d_model"], config["vocab_size"]
+    head_dim = h // config["n_heads"]
+    kv = config["attn_config"]["kv_n_heads"] * head_dim
+    ffn = config["ffn_config"]
+    experts, inter = ffn["moe_num_experts"], ffn["ffn_hidden_size"]
+    specs: dict[str, tuple[tuple[int, ...], str]] = {
+        "transformer.wte.weight": ((vocab, h), "embed"),
+        "transformer.norm_f.weight": ((h,), "norm"),
+        "lm_head.weight": ((vocab, h), "lm_head"),
+    }
+    for i in range(config["n_layers"]):
+        p = f"transformer.blocks.{i}"
+        n = f"{p}.norm_attn_norm"
+        specs[f"{n}.norm_1.weight"] = ((h,), "norm")
+        specs[f"{n}.norm_2.weight"] = ((h,), "norm")
+        specs[f"{n}.attn.Wqkv.weight"] = ((h + 2 * kv, h), "linear")
+        specs[f"{n}.attn.out_proj.weight"] = ((h, h), "linear")
+        specs[f"{p}.ffn.router.layer.weight"] = ((experts, h), "router")
+        # w2 too is [E * I, H]: each expert's down projection transposed
+        for w in ("w1", "v1", "w2"):
+            specs[f"{p}.ffn.experts.mlp.{w}"] = ((experts * inter, h), "linear")
+    return specs
+
+
 #: family -> (config writer, weight specs) of the checkpoints written here
 OWN_WRITERS = {
     "step3p5": (step3p5_config, step3p5_weight_specs),
     "step3_text": (step3_text_config, step3_text_weight_specs),
     "hy_v3": (hy_v3_config, hy_v3_weight_specs),
     "mistral_large_3": (mistral_large_3_config, mistral_large_3_weight_specs),
+    "dbrx": (dbrx_config, dbrx_weight_specs),
 }
 
 
