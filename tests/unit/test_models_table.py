@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from vllm_afd.models.families import FAMILIES
 from vllm_afd.models.registry_table import moe_architectures, table_markdown
 
@@ -144,3 +146,21 @@ def test_only_a_package_outside_vllm_counts_as_missing_on_this_host():
     # vLLM itself lacks the module: it moved, which a drift check must report
     assert missing_package(ModuleNotFoundError(name="vllm.models.gone")) is None
     assert missing_package(ModuleNotFoundError()) is None
+
+
+@pytest.mark.parametrize("arch", ["DbrxForCausalLM", "LlamaForCausalLM"])
+def test_a_refused_architecture_is_named_with_what_trying_it_found(arch: str) -> None:
+    """The start-up refusal carries the table's reason where the
+    architecture was tried (DBRX: plain vLLM's own loader fails on it), and
+    only the supported list where it was not (a dense model)."""
+    from vllm_afd.compat.engine_config import check_architecture
+    from vllm_afd.errors import AFDConfigError
+    from vllm_afd.models.registry_table import TRIED
+
+    with pytest.raises(AFDConfigError) as exc:
+        check_architecture(arch)
+    message = str(exc.value)
+    assert f"architecture {arch!r}" in message and "Qwen3MoeForCausalLM" in message
+    assert (TRIED.get(arch, "no reason") in message) == (arch in TRIED)
+    if arch == "DbrxForCausalLM":
+        assert "ffn.experts.routed_experts." in message

@@ -251,14 +251,18 @@ def check_architecture(arch: str) -> None:
     """AFD serves the architectures of :mod:`vllm_afd.models.families`.
 
     Raises:
-        AFDConfigError: naming the architecture and the supported ones.
+        AFDConfigError: naming the architecture, why it has no record where
+            that is known (``registry_table.TRIED``), and the supported ones.
     """
     from vllm_afd.models.families import SUPPORTED_ARCHS, family_of
+    from vllm_afd.models.registry_table import TRIED
 
     if family_of(arch) is None:
+        # what trying it found, where it was tried (docs/models.md's table)
+        why = f" ({TRIED[arch]})" if arch in TRIED else ""
         raise AFDConfigError(
             f"AFD does not support architecture {arch!r}: no family record in "
-            f"vllm_afd.models.families; supported: {', '.join(SUPPORTED_ARCHS)}"
+            f"vllm_afd.models.families{why}; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
 
 
