@@ -33,6 +33,7 @@ import pytest
 
 from vllm_afd import envs
 from vllm_afd.deploy import Deployment, DeploymentSpec, LaunchError, PlainServer
+from vllm_afd.deploy.cpu_mla import cpu_mla_args
 from vllm_afd.deploy.process import RoleProcess
 
 
@@ -1021,7 +1022,8 @@ def make_spec(model: Path, extra: list[str], **kw: Any) -> DeploymentSpec:
         port=port,
         ffn_port=ffn_port,
         afd_port=afd_port,
-        vllm_args=[*BASE_ARGS, *extra],
+        # vLLM's reference CPU MLA on CPUs with AMX too (deploy.cpu_mla)
+        vllm_args=[*BASE_ARGS, *extra, *cpu_mla_args(model, extra)],
         **kw,
     )
 

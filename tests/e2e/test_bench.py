@@ -17,6 +17,7 @@ import pytest
 from harness import free_ports, run_cli
 
 from vllm_afd.cli.client import afd_metrics
+from vllm_afd.deploy.cpu_mla import cpu_mla_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
@@ -73,6 +74,7 @@ def bench_run(tiny_models, tmp_path_factory):
         *("--plot-dir", str(out / "plots"), "--server-log", str(out / "servers.log")),
         "--",
         *("--enforce-eager", "--max-model-len", "512", "--dtype", "float32"),
+        *cpu_mla_args(tiny_models["deepseek_v2"]),
     ]
     base = f"http://127.0.0.1:{port}"
     with MetricsPoller(base, f"http://127.0.0.1:{ffn_port}") as poller:

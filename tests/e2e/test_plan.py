@@ -20,6 +20,8 @@ import subprocess
 import pytest
 from harness import PLAN_RESULTS, free_ports, run_cli
 
+from vllm_afd.deploy.cpu_mla import cpu_mla_args
+
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("quiet_host")]
 
 ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "float32"]
@@ -33,7 +35,7 @@ def _plan(model, out, *extra: str) -> subprocess.CompletedProcess:
         *("--decode-tokens", "24", "--devices", "3"),
         *("--port", str(port), "--ffn-port", str(ffn_port)),
         *("--afd-port", str(afd_port), "--cache-dir", str(out / "cache")),
-        *extra, "--", *ARGS,
+        *extra, "--", *ARGS, *cpu_mla_args(model),
     ]  # fmt: skip
     return run_cli(argv)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_afd.deploy.cpu_mla import cpu_mla_args
 from vllm_afd.models.tiny_checkpoint import DEEPSEEK_ARCHS, write_tiny_checkpoint
 
 PROMPTS = (
@@ -43,6 +44,8 @@ llm = LLM(
     # vLLM 0.32's CPU rotary kernel mishandles DeepSeek's strided q_pe slice;
     # the native PyTorch rotary is exact.
     compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
+    # vLLM's reference CPU MLA where it would pick AMX MLA (deploy.cpu_mla)
+    **json.loads(sys.argv[5]),
 )
 params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[4]))
 outs = llm.generate(prompts, params)
@@ -86,6 +89,9 @@ def _vllm_greedy(model_dir: Path, tmp_path: Path) -> dict[str, list]:
             str(result),
             json.dumps(PROMPTS),
             str(MAX_NEW_TOKENS),
+            json.dumps(
+                {"attention_backend": "CPU_MLA"} if cpu_mla_args(model_dir) else {}
+            ),
         ],
         env=env,
         capture_output=True,

@@ -106,6 +106,7 @@ def _print_answers(title: str, answers: Answers) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from vllm_afd.deploy.cpu_mla import cpu_mla_args
     from vllm_afd.models.tiny_checkpoint import write_tiny_checkpoint
     from vllm_afd.models.tiny_hf import GATE_ON_ATTENTION_ARCHS, lacks_processor
 
@@ -116,11 +117,12 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"writing tiny {args.arch} model to {model_dir}", flush=True)
         write_tiny_checkpoint(model_dir, arch=args.arch, num_layers=4)
     log, log_dir = console_and_logs(args, "demo")
+    vllm_args = demo_vllm_args(args.arch)
     spec = DeploymentSpec(
         model=str(model_dir),
         port=args.port,
         afd_port=args.afd_port,
-        vllm_args=demo_vllm_args(args.arch),
+        vllm_args=[*vllm_args, *cpu_mla_args(model_dir, vllm_args)],
         # families served with the gate on attention only (tiny_hf says why)
         gate_on_attention=args.arch in GATE_ON_ATTENTION_ARCHS,
     )
