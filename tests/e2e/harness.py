@@ -480,21 +480,6 @@ def prestart_plain(
     POOL.prestart(server)
 
 
-def _linear_attention(model: str) -> bool:
-    """Whether ``model`` has linear-attention layers (Qwen3-Next's gated
-    delta-net). :class:`PlainRunner` does not serve them: on a CPU with AMX
-    (vLLM's accelerated GDN kernels) its offline engine answered the tiny
-    Qwen3-Next (bf16) other than a plain server of the same command line,
-    greedy ids identical, logprobs up to 0.23 apart, while AFD matched the
-    server bit for bit; cause not found."""
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        return False
-    values = json.loads(config.read_text())
-    text = values.get("text_config") or values
-    return "linear_attention" in (text.get("layer_types") or [])
-
-
 class PlainRunner:
     """Plain vLLM baselines on CPU from one process of the session
     (``tests/e2e/plain_runner.py``): vLLM imported once, then for each
@@ -524,10 +509,13 @@ class PlainRunner:
         many = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
         wide = any(a in many and argv[i + 1] != "1" for i, a in enumerate(argv[:-1]))
         sized = "--kv-cache-memory-bytes" in argv  # this process has no KV_ENV
-        model = argv[argv.index("serve") + 1]
-        return (
-            sized and not wide and not cuda_visible() and not _linear_attention(model)
-        )
+        # Not a model with linear attention (Qwen3-Next): on a CPU with AMX
+        # this engine answered the tiny bf16 one other than a plain server of
+        # the same command line, greedy ids identical, logprobs up to 0.23
+        # apart (in either worker layout), while AFD matched the server bit
+        # for bit; cause not found.
+        linear = has_linear_attention(argv[argv.index("serve") + 1])
+        return sized and not wide and not cuda_visible() and not linear
 
     def _start(self) -> None:
         read, write = os.pipe()
